@@ -1,0 +1,131 @@
+"""Physical KV blocks: reference counts, the free list and the prefix-cache index.
+
+Plain Python (no torch): the pool only does accounting. A block is either free (refcount 0)
+or referenced. Free blocks that hold a full, hashed block of tokens stay findable by hash
+until the pool needs a fresh block and evicts the least recently freed of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
+    """Collision-resistant hash of a full block chained over its parent, so equal hashes mean
+    equal prefixes (not just equal blocks)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\x00" * 16)
+    h.update(extra_key)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: bytes | None = None
+        # Kept with the hash so a hit is verified against the tokens, not only the digest.
+        self.token_ids: tuple[int, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, cached={self.block_hash is not None})"
+
+
+class BlockPool:
+    """``num_blocks`` blocks with ids ``0..num_blocks-1``.
+
+    Allocation takes never-cached free blocks first (lowest id first), and only then evicts
+    cached free blocks in least-recently-freed order, so reusable prefixes live as long as possible.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free_uncached: deque[int] = deque(range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._hash_to_block: dict[bytes, int] = {}
+
+    # -- counts -------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._free_cached)
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self) -> Block:
+        if self._free_uncached:
+            block = self.blocks[self._free_uncached.popleft()]
+        elif self._free_cached:
+            block_id, _ = self._free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            self._evict(block)
+        else:
+            raise RuntimeError("block pool exhausted; callers must check num_free first")
+        assert block.ref_count == 0
+        block.ref_count = 1
+        return block
+
+    def incref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            # A free block taken back into use: normally a cached block found by a prefix hit.
+            if block_id in self._free_cached:
+                del self._free_cached[block_id]
+            else:
+                self._free_uncached.remove(block_id)
+        block.ref_count += 1
+
+    def decref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._free_cached[block_id] = None
+            else:
+                self._free_uncached.append(block_id)
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
+        block_id = self._hash_to_block.get(block_hash)
+        if block_id is None:
+            return None
+        if self.blocks[block_id].token_ids != tuple(token_ids):
+            return None
+        return block_id
+
+    def cache(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Make a full, referenced block findable. The first block registered for a hash wins."""
+        if not self.enable_caching or block_hash in self._hash_to_block:
+            return
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._hash_to_block[block_hash] = block_id
+
+    def is_cached(self, block_id: int) -> bool:
+        return self.blocks[block_id].block_hash is not None
+
+    def _evict(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self._hash_to_block[block.block_hash]
+        block.block_hash = None
+        block.token_ids = ()
+
+    def free_block_ids(self) -> set[int]:
+        return set(self._free_uncached) | set(self._free_cached)

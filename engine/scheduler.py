@@ -1,0 +1,296 @@
+"""Who runs this step: admission, the token budget, and all-or-nothing preemption.
+
+Policy only. The scheduler asks the block manager yes/no questions and collects the plans it
+returns (blocks to swap out, swap in and copy); it never touches blocks itself. Each step mixes
+decodes and prefill chunks under ``max_num_batched_tokens`` (chunked prefill), oldest request
+first. When the pool runs dry the newest running group is preempted whole: swapped to the CPU
+pool, or freed to be recomputed. While any group is swapped out nothing new is admitted.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, BlockPlan
+from engine.config import SchedulerConfig
+from engine.request import RequestStatus, Sequence, SequenceGroup
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting``; the caller should retry later."""
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    group: SequenceGroup
+    seq: Sequence
+    start: int  # first position computed this step
+    num_new_tokens: int
+    block_table: tuple[int, ...]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step computes the sequence's last known token, whose logits pick the next."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: tuple[ScheduledSeq, ...] = ()
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device, cpu)
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (cpu, device)
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()  # (src, dst) on device
+    preempted: tuple[str, ...] = ()
+    # Requests that can never fit in the pool (even alone); finished with reason "length".
+    ignored: tuple[SequenceGroup, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+
+
+@dataclass
+class _StepPlan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: BlockPlan = field(default_factory=list)
+    swap_in: BlockPlan = field(default_factory=list)
+    copies: BlockPlan = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []  # kept in arrival order; the last is preempted first
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = {"swap": 0, "recompute": 0}
+
+    # -- queues -------------------------------------------------------------------------------
+    def add(self, group: SequenceGroup) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        group.status = RequestStatus.WAITING
+        self.waiting.append(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def find(self, request_id: str) -> SequenceGroup | None:
+        for queue in (self.running, self.waiting, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    return group
+        return None
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        """Remove a request from whichever queue holds it and free all its blocks at once."""
+        group = self.find(request_id)
+        if group is None:
+            return None
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+        self._finish_group(group)
+        return group
+
+    def _num_running_seqs(self) -> int:
+        return sum(self._seq_slots(g) for g in self.running)
+
+    @staticmethod
+    def _seq_slots(group: SequenceGroup) -> int:
+        return max(len(group.unfinished_seqs()), group.sampling_params.n if group.needs_fork else 0)
+
+    # -- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan()
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
+            budget = self._schedule_swapped(plan, budget)
+            if not self.swapped:
+                self._schedule_waiting(plan, budget)
+        return SchedulerOutput(
+            scheduled=tuple(plan.scheduled),
+            blocks_to_swap_out=tuple(plan.swap_out),
+            blocks_to_swap_in=tuple(plan.swap_in),
+            blocks_to_copy=tuple(plan.copies),
+            preempted=tuple(plan.preempted),
+            ignored=tuple(plan.ignored),
+        )
+
+    def _requests_for(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
+        requests = []
+        for seq in group.unfinished_seqs():
+            n = min(seq.num_uncomputed_tokens, budget)
+            if n > 0:
+                requests.append((seq, n))
+                budget -= n
+        return requests
+
+    def _commit(self, plan: _StepPlan, group: SequenceGroup, requests: list[tuple[Sequence, int]]) -> int:
+        used = 0
+        for seq, n in requests:
+            start = seq.num_computed_tokens
+            plan.copies.extend(self.block_manager.allocate_slots(seq, n))
+            table = tuple(self.block_manager.block_table(seq))
+            plan.scheduled.append(ScheduledSeq(group, seq, start, n, table))
+            used += n
+        return used
+
+    def _schedule_running(self, plan: _StepPlan, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            group = self.running[i]
+            requests = self._requests_for(group, budget)
+            while requests and not self.block_manager.can_allocate(requests):
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is group:
+                    requests = []
+            if group.status is RequestStatus.RUNNING:
+                budget -= self._commit(plan, group, requests)
+                i += 1
+        return budget
+
+    def _preempt(self, group: SequenceGroup, plan: _StepPlan) -> None:
+        self.running.remove(group)
+        plan.preempted.append(group.request_id)
+        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(group):
+            plan.swap_out.extend(self.block_manager.swap_out(group))
+            group.status = RequestStatus.SWAPPED
+            self.swapped.append(group)
+            self.num_preemptions["swap"] += 1
+        else:
+            self.block_manager.free_group(group)
+            for seq in group.seqs:
+                seq.num_computed_tokens = 0
+            group.status = RequestStatus.WAITING
+            self.waiting.appendleft(group)
+            self.num_preemptions["recompute"] += 1
+
+    def _schedule_swapped(self, plan: _StepPlan, budget: int) -> int:
+        while self.swapped and budget > 0:
+            group = self.swapped[0]
+            if self._num_running_seqs() + self._seq_slots(group) > self.config.max_num_seqs:
+                break
+            if not self.block_manager.can_swap_in(group):
+                if not self.running:
+                    # Nothing else holds memory, so it will never fit: give up on it.
+                    self.swapped.popleft()
+                    self._ignore(group, plan)
+                    continue
+                break
+            self.swapped.popleft()
+            plan.swap_in.extend(self.block_manager.swap_in(group))
+            group.status = RequestStatus.RUNNING
+            self._insert_running(group)
+            requests = self._requests_for(group, budget)
+            if self.block_manager.can_allocate(requests):
+                budget -= self._commit(plan, group, requests)
+        return budget
+
+    def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
+        reserve = self.config.max_model_len if self.config.kv_reservation == "max_len" else 0
+        while self.waiting and budget > 0:
+            group = self.waiting[0]
+            if self._num_running_seqs() + self._seq_slots(group) > self.config.max_num_seqs:
+                break
+            admitted: list[tuple[Sequence, int]] = []
+            for seq in group.unfinished_seqs():
+                prefix = self.block_manager.lookup_prefix(seq)
+                n = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+                if n <= 0 or not self.block_manager.can_allocate([(seq, n)], prefix, reserve):
+                    break
+                start_copies = self.block_manager.allocate_slots(seq, n, prefix, reserve)
+                assert not start_copies, "a fresh table never needs copy-on-write"
+                admitted.append((seq, n))
+                budget -= n
+            if len(admitted) < len(group.unfinished_seqs()):
+                # All of a group or none of it: give back what this admission took.
+                for seq, _ in admitted:
+                    self.block_manager.free(seq)
+                    seq.num_computed_tokens = 0
+                if not self.running and not plan.scheduled:
+                    # Alone with the whole pool and still no room: it will never fit.
+                    self.waiting.popleft()
+                    self._ignore(group, plan)
+                    continue
+                break
+            self.waiting.popleft()
+            group.status = RequestStatus.RUNNING
+            if group.num_cached_tokens == 0:
+                group.num_cached_tokens = group.seqs[0].num_computed_tokens
+            self._insert_running(group)
+            for seq, n in admitted:
+                start = seq.num_computed_tokens
+                table = tuple(self.block_manager.block_table(seq))
+                plan.scheduled.append(ScheduledSeq(group, seq, start, n, table))
+
+    def _ignore(self, group: SequenceGroup, plan: _StepPlan) -> None:
+        for seq in group.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "length"
+        self._finish_group(group)
+        plan.ignored.append(group)
+
+    def _insert_running(self, group: SequenceGroup) -> None:
+        keys = [g.arrival_time for g in self.running]
+        self.running.insert(bisect.bisect_right(keys, group.arrival_time), group)
+
+    # -- after the model ran ------------------------------------------------------------------
+    def update(self, output: SchedulerOutput) -> None:
+        """Record that the scheduled tokens' KV is now computed."""
+        for item in output.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new_tokens
+
+    def fork(self, group: SequenceGroup) -> list[Sequence]:
+        """Split a group's single sequence into ``n`` that share its blocks (after its prompt)."""
+        parent = group.seqs[0]
+        children = []
+        for index in range(len(group.seqs), group.sampling_params.n):
+            child = parent.fork(index)
+            self.block_manager.fork(parent, child)
+            group.seqs.append(child)
+            children.append(child)
+        return children
+
+    def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        if all(s.is_finished for s in group.seqs) and not group.needs_fork:
+            if group in self.running:
+                self.running.remove(group)
+            self._finish_group(group)
+
+    def _finish_group(self, group: SequenceGroup) -> None:
+        self.block_manager.free_group(group)
+        group.status = RequestStatus.FINISHED
+
+    # -- numbers ------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {
+            "kv_blocks_total": bm.device.num_blocks,
+            "kv_blocks_free": bm.device.num_free,
+            "kv_blocks_cached": bm.device.num_cached_free,
+            "cpu_blocks_total": bm.cpu.num_blocks,
+            "cpu_blocks_free": bm.cpu.num_free,
+            "prefix_cache_queried_tokens": bm.prefix_queried_tokens,
+            "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
+            "preemptions_swap": self.num_preemptions["swap"],
+            "preemptions_recompute": self.num_preemptions["recompute"],
+            "requests_running": len(self.running),
+            "requests_waiting": len(self.waiting),
+            "requests_swapped": len(self.swapped),
+        }
