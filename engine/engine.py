@@ -1,0 +1,376 @@
+"""The step loop: schedule -> run -> sample -> update -> outputs.
+
+``LLMEngine`` is synchronous and single-threaded; ``engine.llm.LLM`` drives it for offline use
+and ``engine.async_engine.AsyncEngine`` drives it from a worker thread for the gateway.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.loader import load_model
+from engine.request import RequestStatus, SamplingParams, Sequence, SequenceGroup
+from engine.runner import ModelRunner, kv_bytes_per_block
+from engine.sampler import Sampler, SamplingBatch, make_generator
+from engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerOutput
+from kernels import get_backend
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_MB = 1024
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to one sample of a request (the unit of streaming)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    request_finished: bool = False
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_mb: int | None = None,
+        swap_space_mb: int = 256,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        preemption_mode: str = "swap",
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        kv_reservation: str = "paged",
+        max_waiting: int = 1024,
+    ) -> None:
+        torch_dtype = resolve_dtype(dtype)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' requested but CUDA is not available")
+        loaded = load_model(model, torch_dtype, device, attention_backend)
+        self.model_path = loaded.path
+        self.model_name = loaded.config.name or loaded.path.stem
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.config.eos_token_ids
+
+        block_bytes = kv_bytes_per_block(loaded.config, block_size, torch_dtype)
+        if num_kv_blocks is None:
+            num_kv_blocks = max(1, int((kv_cache_mb or DEFAULT_KV_CACHE_MB) * 2**20 // block_bytes))
+        num_cpu_blocks = int(swap_space_mb * 2**20 // block_bytes) if swap_space_mb else 0
+        model_limit = loaded.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(model_limit, num_kv_blocks * block_size)
+        elif max_model_len > model_limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_limit} positions")
+        self.cache_config = CacheConfig(block_size, num_kv_blocks, num_cpu_blocks, enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            preemption_mode=preemption_mode,  # type: ignore[arg-type]
+            kv_reservation=kv_reservation,  # type: ignore[arg-type]
+            max_waiting=max_waiting,
+        )
+        self.block_manager = BlockManager(
+            block_size, num_kv_blocks, num_cpu_blocks, enable_prefix_caching,
+            extra_key=str(self.model_path).encode(),
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        backend = get_backend(attention_backend, device)
+        self.runner = ModelRunner(
+            loaded.model, loaded.config, backend, block_size, num_kv_blocks, num_cpu_blocks,
+            torch_dtype, torch.device(device),
+        )
+        self.sampler = Sampler()
+        self._groups: dict[str, SequenceGroup] = {}
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._generators: dict[int, torch.Generator | None] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    # -- requests ---------------------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> SequenceGroup:
+        """Validate a request and build its group without touching engine state."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        sampling_params.validate()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt or prompt_token_ids is required")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens; the context length (max_model_len) is "
+                f"{self.max_model_len}, leaving no room for output"
+            )
+        return SequenceGroup(request_id, prompt_token_ids, sampling_params, prompt=prompt)
+
+    def add_group(self, group: SequenceGroup) -> None:
+        if group.request_id in self._groups:
+            raise ValueError(f"request id {group.request_id!r} is already in use")
+        self.scheduler.add(group)
+        self._groups[group.request_id] = group
+
+    def add_request(self, request_id: str, sampling_params: SamplingParams, prompt: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> SequenceGroup:
+        group = self.make_request(request_id, sampling_params, prompt, prompt_token_ids)
+        self.add_group(group)
+        return group
+
+    def abort_request(self, request_id: str) -> list[RequestDelta]:
+        group = self.scheduler.abort(request_id)
+        if group is None:
+            return []
+        return self._finish_request(group)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_group(self, request_id: str) -> SequenceGroup | None:
+        return self._groups.get(request_id)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        deltas: list[RequestDelta] = []
+        for group in out.ignored:
+            deltas.extend(self._finish_request(group))
+        if out.is_empty:
+            return deltas
+        logits, samplers = self.runner.execute(out)
+        self.scheduler.update(out)
+        if logits is not None:
+            deltas.extend(self._sample_and_update(logits, samplers))
+        return deltas
+
+    def _sample_and_update(self, logits: torch.Tensor, samplers: tuple[ScheduledSeq, ...]) -> list[RequestDelta]:
+        rows: list[int] = []
+        row_seqs: list[tuple[SequenceGroup, Sequence]] = []
+        for i, item in enumerate(samplers):
+            group = item.group
+            seqs = [item.seq]
+            if group.needs_fork and item.seq is group.seqs[0]:
+                seqs += self.scheduler.fork(group)
+            for seq in seqs:
+                rows.append(i)
+                row_seqs.append((group, seq))
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        batch = SamplingBatch(
+            params=[g.sampling_params for g, _ in row_seqs],
+            prompt_token_ids=[s.prompt_token_ids for _, s in row_seqs],
+            output_token_ids=[s.output_token_ids for _, s in row_seqs],
+            generators=[self._generator(g, s) for g, s in row_seqs],
+            eos_token_ids=self.eos_token_ids,
+        )
+        result = self.sampler(logits, batch)
+        now = time.monotonic()
+        deltas = []
+        for (group, seq), token, logprobs in zip(row_seqs, result.token_ids, result.logprobs, strict=True):
+            if group.first_token_time is None:
+                group.first_token_time = now
+            deltas.extend(self._append_token(group, seq, token, logprobs))
+        return deltas
+
+    def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
+        if seq.seq_id not in self._generators:
+            self._generators[seq.seq_id] = make_generator(group.sampling_params.seed, seq.index)
+        return self._generators[seq.seq_id]
+
+    def _append_token(self, group: SequenceGroup, seq: Sequence, token: int,
+                      logprobs: dict[int, float] | None) -> list[RequestDelta]:
+        params = group.sampling_params
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        detok = self._detok.get(seq.seq_id)
+        if detok is None:
+            detok = self._detok[seq.seq_id] = IncrementalDetokenizer(
+                self.tokenizer.hf, seq.prompt_token_ids, params, eos_token_ids=self.eos_token_ids
+            )
+        step = detok.step([token])
+        text = step.text_delta
+        reason: str | None = None
+        if step.stopped:  # a stop string, EOS (unless ignore_eos) or one of stop_token_ids
+            reason = "stop"
+            if step.stop_str is not None:
+                seq.stop_reason = step.stop_str
+            elif step.stop_token_id not in self.eos_token_ids:
+                seq.stop_reason = step.stop_token_id
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
+            seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None and not step.stopped:
+            text += detok.flush()
+        seq.output_text = detok.output_text
+        delta = RequestDelta(
+            request_id=group.request_id, index=seq.index, text=text, token_ids=[token],
+            finished=reason is not None, finish_reason=reason,
+            logprobs=[logprobs] if logprobs is not None else None,
+            prompt_tokens=group.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+            cached_tokens=group.num_cached_tokens, stop_reason=seq.stop_reason,
+        )
+        if reason is None:
+            return [delta]
+        self.scheduler.finish_seq(group, seq, reason)
+        self._forget_seq(seq)
+        if group.status is RequestStatus.FINISHED:
+            delta.request_finished = True
+            group.finished_time = time.monotonic()
+            self._groups.pop(group.request_id, None)
+        return [delta]
+
+    def _forget_seq(self, seq: Sequence) -> None:
+        self._detok.pop(seq.seq_id, None)
+        self._generators.pop(seq.seq_id, None)
+
+    def _finish_request(self, group: SequenceGroup) -> list[RequestDelta]:
+        """Final deltas for a request ended by the engine (abort, or it can never fit)."""
+        self._groups.pop(group.request_id, None)
+        group.finished_time = time.monotonic()
+        deltas = []
+        for seq in group.seqs:
+            self._forget_seq(seq)
+            deltas.append(RequestDelta(
+                request_id=group.request_id, index=seq.index, text="", token_ids=[], finished=True,
+                finish_reason=seq.finish_reason or "abort", logprobs=None,
+                prompt_tokens=group.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+                cached_tokens=group.num_cached_tokens,
+            ))
+        deltas[-1].request_finished = True
+        return deltas
+
+    # -- prefixes, numbers ------------------------------------------------------------------------
+    def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+        """Pin the cached full blocks of a prefix (compute it first, e.g. with a max_tokens=1 request)."""
+        return self.block_manager.pin(key, list(prompt_token_ids))
+
+    def unpin_prefix(self, key: str) -> None:
+        self.block_manager.unpin(key)
+
+    def stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self.scheduler.stats()
+        filled, allocated = self.block_manager.slot_usage()
+        stats["kv_slots_filled"] = filled
+        stats["kv_slots_allocated"] = allocated
+        return stats
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        pool = self.block_manager.device
+        pinned = {b for blocks in self.block_manager.pinned_blocks().values() for b in blocks}
+        state = []
+        for block in pool.blocks:
+            if block.block_id in pinned:
+                state.append("pinned")
+            elif block.ref_count > 1:
+                state.append("shared")
+            elif block.ref_count == 1:
+                state.append("used")
+            elif block.block_hash is not None:
+                state.append("cached")
+            else:
+                state.append("free")
+        requests: dict[str, list[int]] = {}
+        for group in self.scheduler.running:
+            blocks: dict[int, None] = {}
+            for seq in group.seqs:
+                for b in self.block_manager.block_table(seq):
+                    blocks[b] = None
+            requests[group.request_id] = list(blocks)
+        return {
+            "block_size": self.block_manager.block_size,
+            "num_blocks": pool.num_blocks,
+            "state": state,
+            "refcounts": [b.ref_count for b in pool.blocks],
+            "cpu_used": self.block_manager.cpu.num_blocks - self.block_manager.cpu.num_free,
+            "requests": requests,
+        }
+
+    # -- output helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def request_output(group: SequenceGroup) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
+                finish_reason=seq.finish_reason, logprobs=list(seq.output_logprobs) or None,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in sorted(group.seqs, key=lambda s: s.index)
+        ]
+        metrics = {"arrival_time": group.arrival_time}
+        if group.first_token_time is not None:
+            metrics["first_token_time"] = group.first_token_time
+        if group.finished_time is not None:
+            metrics["finished_time"] = group.finished_time
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            outputs=outputs, finished=group.is_finished, num_cached_tokens=group.num_cached_tokens,
+            metrics=metrics,
+        )
+
+
+__all__ = ["LLMEngine", "RequestDelta", "RequestOutput", "CompletionOutput", "QueueFullError", "SchedulerOutput"]

@@ -1,0 +1,127 @@
+"""The mechanism: owns the KV tensors, turns a scheduler step into tensors, runs the model.
+
+It executes the scheduler's block plans (swap out, swap in, copy-on-write copies) before the
+forward pass that needs them, then runs every scheduled sequence in one flattened batch:
+single-token decodes first, then prefill chunks, no padding between sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.model import ModelConfig
+from engine.model.attention import AttentionMetadata
+from engine.scheduler import ScheduledSeq, SchedulerOutput
+from kernels import AttentionBackend
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: Tensor
+    positions: Tensor
+    attn_metadata: AttentionMetadata
+    order: tuple[ScheduledSeq, ...]  # the scheduled sequences in batch order
+    sample_rows: Tensor  # token row of each sampling sequence's last scheduled token
+    samplers: tuple[ScheduledSeq, ...]  # the sequences those rows belong to
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        block_size: int,
+        num_device_blocks: int,
+        num_cpu_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        shape = (config.num_layers, 2, num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        cpu_shape = (config.num_layers, 2, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+
+    # -- block plans ----------------------------------------------------------------------------
+    def _mapping(self, pairs: tuple[tuple[int, int], ...]) -> Tensor:
+        return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
+
+    def execute_block_plans(self, out: SchedulerOutput) -> None:
+        # Order matters: blocks swapped out may be handed to other sequences in this same step.
+        if out.blocks_to_swap_out:
+            self.backend.swap_blocks(self.kv_cache, self.cpu_cache, self._mapping(out.blocks_to_swap_out))
+        if out.blocks_to_swap_in:
+            self.backend.swap_blocks(self.cpu_cache, self.kv_cache, self._mapping(out.blocks_to_swap_in))
+        if out.blocks_to_copy:
+            self.backend.copy_blocks(self.kv_cache, self._mapping(out.blocks_to_copy).to(self.device))
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        order = decodes + prefills
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        context_lens: list[int] = []
+        sample_rows: list[int] = []
+        samplers: list[ScheduledSeq] = []
+        max_blocks = max(len(s.block_table) for s in order)
+        tables = [list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in order]
+        for item in order:
+            start, end = item.start, item.start + item.num_new_tokens
+            table = item.block_table
+            input_ids.extend(item.seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            context_lens.append(end)
+            if item.samples:
+                sample_rows.append(query_start[-1] - 1)
+                samplers.append(item)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            num_decodes=len(decodes),
+            max_query_len=max(s.num_new_tokens for s in order),
+            max_context_len=max(context_lens),
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn_metadata=meta,
+            order=tuple(order),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            samplers=tuple(samplers),
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[Tensor | None, tuple[ScheduledSeq, ...]]:
+        """Run one step; returns float32 logits for each sampling sequence (None if none samples)."""
+        self.execute_block_plans(out)
+        if not out.scheduled:
+            return None, ()
+        inp = self.prepare(out)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata)
+        if not inp.samplers:
+            return None, ()
+        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        return logits, inp.samplers
