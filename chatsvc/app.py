@@ -1,0 +1,168 @@
+"""create_app(engine, store, settings): the Starlette application of the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+import chatsvc
+from chatsvc import openai_routes, sessions, ws
+from chatsvc.auth import Auth
+from chatsvc.context import Gateway, gateway
+from chatsvc.errors import APIError, api_error_handler, not_found_handler
+from chatsvc.metrics import Metrics
+from chatsvc.personas import Personas, pin_key
+from chatsvc.settings import Settings
+from chatsvc.store import Store
+from chatsvc.turns import TurnRegistry
+
+log = logging.getLogger("chatsvc.app")
+
+
+def default_web_dir() -> Path:
+    return Path(chatsvc.__file__).resolve().parent.parent / "web"
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+async def ready(request: Request) -> JSONResponse:
+    gw = gateway(request)
+    redis_ok = await gw.store.ping()
+    ok = gw.engine_ready and redis_ok
+    return JSONResponse({"ready": ok, "engine": gw.engine_ready, "redis": redis_ok}, status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _kv_payload(gw: Gateway, session: dict[str, Any] | None) -> dict[str, Any]:
+    snap = gw.engine.kv_snapshot()
+    payload: dict[str, Any] = {**snap, **gw.engine.stats()}
+    if session is not None:
+        rid = gw.turns.request_id(session["id"])
+        pins = snap.get("pins") or {}
+        payload["session"] = {
+            **session,
+            "request_id": rid,
+            "blocks": list(snap.get("requests", {}).get(rid, [])) if rid else [],
+            "persona_blocks": list(pins.get(pin_key(session["persona"]), [])),
+        }
+    return payload
+
+
+async def _session_for_kv(gw: Gateway, request: Request) -> dict[str, Any] | None:
+    sid = request.query_params.get("session_id")
+    if not sid:
+        return None
+    owner = gw.auth.from_http(request.headers, request.query_params)
+    try:
+        meta = await gw.store.get_session(sid, owner)
+    except RedisError:
+        return None
+    if meta is None:
+        raise APIError(404, f"session {sid!r} not found", code="session_not_found", param="session_id")
+    return {"id": meta.id, "persona": meta.persona}
+
+
+async def kv(request: Request) -> JSONResponse:
+    gw = gateway(request)
+    gw.auth.from_http(request.headers, request.query_params)
+    return JSONResponse(await _kv_payload(gw, await _session_for_kv(gw, request)))
+
+
+async def kv_stream(request: Request) -> Response:
+    gw = gateway(request)
+    gw.auth.from_http(request.headers, request.query_params)
+    session = await _session_for_kv(gw, request)
+
+    async def events() -> AsyncIterator[dict[str, str]]:
+        while True:
+            yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, session))}
+            await asyncio.sleep(gw.settings.kv_stream_interval_s)
+
+    return EventSourceResponse(events(), ping=15)
+
+
+async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(503, f"session store unavailable: {type(exc).__name__}", code="redis_unavailable").response()
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+    return APIError(500, "internal server error", code="internal_error").response()
+
+
+async def _sync_personas(gw: Gateway) -> None:
+    """Pin the personas once Redis answers (it may come up after the gateway)."""
+    while True:
+        try:
+            await gw.personas.sync()
+            return
+        except RedisError as exc:
+            log.warning("Redis not reachable for personas (%s); retrying", exc)
+            await asyncio.sleep(2.0)
+
+
+def create_app(engine: Any, store: Store, settings: Settings | None = None) -> Starlette:
+    settings = settings or Settings()
+    m = Metrics(engine)
+    gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys), metrics=m,
+                 personas=Personas(engine, store), turns=TurnRegistry(engine, store, m, settings))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        gw.engine_ready = True
+        sync = asyncio.create_task(_sync_personas(gw))
+        try:
+            yield
+        finally:
+            gw.engine_ready = False
+            sync.cancel()
+            await gw.turns.shutdown()
+            await engine.stop()
+            await store.close()
+
+    routes: list[BaseRoute] = [
+        Route("/health", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/kv", kv, methods=["GET"]),
+        Route("/v1/kv/stream", kv_stream, methods=["GET"]),
+        *openai_routes.routes,
+        *sessions.routes,
+        *ws.routes,
+    ]
+    web = settings.web_dir or default_web_dir()
+    if web.is_dir() and any(web.iterdir()):
+        routes.append(Mount("/", StaticFiles(directory=web, html=True), name="web"))
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: not_found_handler,
+            RedisError: redis_error_handler,
+            Exception: internal_error_handler,
+        },
+    )
+    app.state.gateway = gw
+    return app

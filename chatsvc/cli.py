@@ -1,0 +1,139 @@
+"""``chatsvc`` command line: ``serve`` (gateway + engine + model in one process) and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from chatsvc.settings import Settings, api_keys_from_env, default_data_dir
+
+log = logging.getLogger("chatsvc")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="Redis URL (default: $REDIS_URL, else an embedded redis-server)")
+    p.add_argument("--data-dir", type=Path, default=None, help="embedded Redis data dir (default: user data dir)")
+    p.add_argument("--block-size", type=int, default=16)
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-mb", type=int, default=None)
+    kv.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--swap-space-mb", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it requests get 429")
+    p.add_argument("--preemption", choices=["swap", "recompute"], default="swap")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--api-key", action="append", default=None, dest="api_keys",
+                   help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
+    p.add_argument("--allowed-origins", default=None,
+                   help="comma-separated WebSocket Origin patterns (fnmatch) besides the server's own host")
+    p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
+    p.add_argument("--abort-grace", type=float, default=3.0,
+                   help="seconds a session reply keeps generating without readers before it is aborted")
+    p.add_argument("--log-level", default="info")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks, "kv_cache_mb": args.kv_cache_mb, "swap_space_mb": args.swap_space_mb,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "preemption_mode": args.preemption,
+        "attention_backend": args.attention_backend, "max_waiting": args.max_waiting,
+    }
+
+
+def settings_from_args(args: argparse.Namespace, redis_description: str) -> Settings:
+    keys = tuple(args.api_keys or ()) + api_keys_from_env()
+    base = Settings()
+    origins = base.allowed_origins
+    if args.allowed_origins:
+        origins = origins + tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    return Settings(api_keys=keys, allowed_origins=origins, session_ttl_s=args.session_ttl,
+                    abort_grace_s=args.abort_grace, redis_description=redis_description)
+
+
+def build_engine(model: str | None, kwargs: dict[str, Any]) -> Any:
+    from engine.async_engine import AsyncEngine
+
+    # Drop options this engine build does not take rather than failing on them.
+    try:
+        accepted = inspect.signature(AsyncEngine.from_args).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    except (TypeError, ValueError):
+        pass
+    return AsyncEngine.from_args(model=model, **kwargs)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from chatsvc.app import create_app
+    from chatsvc.redis_server import EmbeddedRedis
+    from chatsvc.store import Store
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    embedded: EmbeddedRedis | None = None
+    try:
+        if args.redis_url:
+            url, desc = args.redis_url, f"external Redis at {args.redis_url}"
+        else:
+            embedded = EmbeddedRedis((args.data_dir or default_data_dir()) / "redis")
+            url = embedded.start()
+            desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {url}, append-only"
+        settings = settings_from_args(args, desc)
+        engine = build_engine(args.model, engine_kwargs(args))
+        stats = engine.stats()
+        log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
+                 engine.max_model_len, stats.get("kv_blocks_total", 0), args.block_size,
+                 stats.get("cpu_blocks_total", 0))
+        log.info("sessions in %s", desc)
+        if settings.api_keys:
+            log.info("API keys required (%d configured)", len(settings.api_keys))
+        app = create_app(engine, Store.from_url(url, settings.session_ttl_s, settings.stream_ttl_s), settings)
+        log.info("listening on http://%s:%d", args.host, args.port)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                ws_max_size=4 * settings.max_ws_frame_bytes, timeout_graceful_shutdown=5)
+        asyncio.run(uvicorn.Server(config).serve())
+        return 0
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chatsvc", description="streaming chat service on a paged KV cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(sub.add_parser("serve", help="run the gateway, engine and model in one process"))
+    bench_parser = sub.add_parser("bench", help="load-test a running server")
+    try:
+        from chatsvc import bench
+    except ImportError:
+        bench = None  # type: ignore[assignment]
+    if bench is not None:
+        bench.add_arguments(bench_parser)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    if bench is None:
+        print("chatsvc bench is not available in this build", file=sys.stderr)
+        return 2
+    return int(bench.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""One engine request as an async stream of deltas, with metrics and guaranteed abort on exit."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from chatsvc.errors import APIError
+from chatsvc.metrics import Metrics, RequestTimer
+from engine.request import SamplingParams
+
+
+def queue_full_error(retry_after_s: int) -> APIError:
+    return APIError(429, "the server is at capacity; retry shortly", code="queue_full",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
+def _is_queue_full(exc: BaseException) -> bool:
+    # Matched by name so this module imports without the engine's async facade.
+    return any(c.__name__ == "QueueFullError" for c in type(exc).__mro__)
+
+
+class Generation:
+    """Wraps ``engine.generate``: the first delta is fetched eagerly by :meth:`start`, so admission
+    errors (invalid request, full queue) surface as HTTP errors before any response is sent."""
+
+    def __init__(self, engine: Any, metrics: Metrics, request_id: str, params: SamplingParams,
+                 prompt_token_ids: list[int], retry_after_s: int = 1) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.request_id = request_id
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.retry_after_s = retry_after_s
+        self._it: AsyncIterator[Any] | None = None
+        self._first: Any = None
+        self.timer = RequestTimer(metrics)
+        self.finished_samples = 0
+        self.reason_counts: dict[str, int] = {}
+
+    async def start(self) -> None:
+        try:
+            self._it = aiter(self.engine.generate(self.request_id, self.params,
+                                                  prompt_token_ids=self.prompt_token_ids))
+            self._first = await anext(self._it)
+        except StopAsyncIteration:
+            self._first = None
+        except ValueError as exc:
+            await self.close()
+            raise APIError(400, str(exc), code="invalid_request") from exc
+        except Exception as exc:
+            await self.close()
+            if _is_queue_full(exc):
+                raise queue_full_error(self.retry_after_s) from exc
+            raise
+
+    async def close(self) -> None:
+        """Abort the request if it is still running (idempotent)."""
+        it, self._it = self._it, None
+        if it is not None and hasattr(it, "aclose"):
+            await it.aclose()  # type: ignore[attr-defined]
+
+    async def deltas(self) -> AsyncIterator[Any]:
+        """All deltas; leaving the loop early (break, cancellation, error) aborts the request."""
+        assert self._it is not None or self._first is not None, "call start() first"
+        done = False
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                self._observe(first)
+                yield first
+            if self._it is not None:
+                async with aclosing(self._it) as it:
+                    async for delta in it:
+                        self._observe(delta)
+                        yield delta
+            done = True
+        finally:
+            await self.close()
+            reason = "stop"
+            if self.reason_counts:
+                reason = max(self.reason_counts, key=lambda r: self.reason_counts[r])
+            self.timer.finish(reason if done else "abort")
+
+    def _observe(self, delta: Any) -> None:
+        self.timer.on_tokens(delta.index, len(delta.token_ids))
+        if delta.finished:
+            r = delta.finish_reason or "stop"
+            self.reason_counts[r] = self.reason_counts.get(r, 0) + 1

@@ -1,0 +1,100 @@
+"""Prometheus metrics on a private registry per app.
+
+Engine gauges and counters are read from ``engine.stats()`` at scrape time by a custom collector;
+latency histograms and stream gauges are updated by the gateway as requests flow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# CPU serving is slow and noisy: latency buckets reach into tens of seconds.
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        total = int(s.get("kv_blocks_total", 0))
+        free = int(s.get("kv_blocks_free", 0))
+        gauges = {
+            "kv_blocks_total": ("Device KV cache blocks", total),
+            "kv_blocks_free": ("Device KV blocks no sequence holds (includes cached)", free),
+            "kv_blocks_cached": ("Free blocks kept for prefix reuse", s.get("kv_blocks_cached", 0)),
+            "kv_usage_ratio": ("Fraction of device KV blocks held", (total - free) / total if total else 0.0),
+            "cpu_blocks_total": ("CPU swap blocks", s.get("cpu_blocks_total", 0)),
+            "cpu_blocks_free": ("Free CPU swap blocks", s.get("cpu_blocks_free", 0)),
+            "requests_running": ("Requests running", s.get("requests_running", 0)),
+            "requests_waiting": ("Requests waiting", s.get("requests_waiting", 0)),
+            "requests_swapped": ("Requests swapped out to CPU", s.get("requests_swapped", 0)),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"chatsvc_{name}", doc, value=float(value))
+        yield CounterMetricFamily("chatsvc_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=float(s.get("prefix_cache_queried_tokens", 0)))
+        yield CounterMetricFamily("chatsvc_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=float(s.get("prefix_cache_hit_tokens", 0)))
+        pre = CounterMetricFamily("chatsvc_preemptions", "Preempted sequence groups", labels=["mode"])
+        pre.add_metric(["swap"], float(s.get("preemptions_swap", 0)))
+        pre.add_metric(["recompute"], float(s.get("preemptions_recompute", 0)))
+        yield pre
+
+
+class Metrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram("chatsvc_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("chatsvc_inter_token_latency_seconds", "Time between streamed tokens", registry=r,
+                             buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("chatsvc_e2e_request_latency_seconds", "Request latency, arrival to finish",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.finished = Counter("chatsvc_requests_finished", "Finished requests by reason", ["reason"], registry=r)
+        self.open_streams = Gauge("chatsvc_open_streams", "Open client streams", ["transport"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.finished.labels(reason)
+        for transport in ("sse", "ws"):
+            self.open_streams.labels(transport)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Feeds one request's deltas into the latency histograms."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.first = True
+        self.last: dict[int, float] = {}  # per sample index
+
+    def on_tokens(self, index: int, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.first:
+            self.metrics.ttft.observe(now - self.start)
+            self.first = False
+        if index in self.last:
+            # Tokens of one delta arrived together; spread the gap over them.
+            gap = (now - self.last[index]) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.last[index] = now
+
+    def finish(self, reason: str) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.start)
+        self.metrics.finished.labels(reason).inc()

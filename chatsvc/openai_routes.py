@@ -1,0 +1,242 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions (stateless)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatsvc.context import Gateway, gateway, parse, read_json, resolve_max_tokens
+from chatsvc.errors import APIError
+from chatsvc.generation import Generation
+from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, usage
+
+
+async def list_models(request: Request) -> JSONResponse:
+    gw = gateway(request)
+    gw.auth.from_http(request.headers)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "chatsvc",
+             "max_model_len": gw.engine.max_model_len} for name in gw.model_names]
+    return JSONResponse({"object": "list", "data": data})
+
+
+def _check_n(gw: Gateway, n: int) -> None:
+    if n > gw.settings.max_n:
+        raise APIError(400, f"n must be <= {gw.settings.max_n}", code="invalid_value", param="n")
+
+
+def _params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None) -> Any:
+    try:
+        return req.sampling_params(max_tokens, n=req.n, logprobs=logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+class _Tokens:
+    """Token strings for logprobs."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def text(self, tid: int) -> str:
+        return str(self.tok.decode([tid], skip_special_tokens=False))
+
+    def chat(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int) -> list[dict[str, Any]]:
+        out = []
+        for tid, d in zip(token_ids, lps or [], strict=False):
+            s = self.text(tid)
+            tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+            out.append({"token": s, "logprob": float(d.get(tid, -9999.0)), "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": self.text(t), "logprob": float(lp),
+                                          "bytes": list(self.text(t).encode())} for t, lp in tops]})
+        return out
+
+    def completion(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int,
+                   offset: int) -> dict[str, Any]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, d in zip(token_ids, lps or [], strict=False):
+            s = self.text(tid)
+            tokens.append(s)
+            token_lps.append(float(d.get(tid, -9999.0)))
+            tops.append({self.text(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def chat_completions(request: Request) -> Response:
+    gw = gateway(request)
+    gw.auth.from_http(request.headers)
+    req = parse(ChatCompletionRequest, await read_json(request, gw.settings.max_body_bytes))
+    model = gw.check_model(req.model)
+    _check_n(gw, req.n)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    prompt_ids = list(gw.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len, None)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    rid = "chatcmpl-" + secrets.token_hex(12)
+    gen = Generation(gw.engine, gw.metrics, rid, _params(req, max_tokens, logprobs), prompt_ids,
+                     gw.settings.retry_after_s)
+    await gen.start()
+    created = int(time.time())
+    if req.stream:
+        return EventSourceResponse(_chat_stream(gw, gen, req, rid, created, model), ping=10)
+    try:
+        texts: dict[int, list[str]] = {}
+        tokens: dict[int, list[int]] = {}
+        lps: dict[int, list[dict[int, float]]] = {}
+        reasons: dict[int, str | None] = {}
+        last: dict[int, Any] = {}
+        async for d in gen.deltas():
+            texts.setdefault(d.index, []).append(d.text)
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+            lps.setdefault(d.index, []).extend(d.logprobs or [])
+            last[d.index] = d
+            if d.finished:
+                reasons[d.index] = d.finish_reason
+    finally:
+        await gen.close()
+    toks = _Tokens(gw.engine.tokenizer)
+    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
+                "logprobs": {"content": toks.chat(tokens[i], lps[i], req.top_logprobs or 0)} if req.logprobs else None,
+                "finish_reason": reasons.get(i)} for i in sorted(texts)]
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                         "choices": choices, "usage": _usage(last, len(prompt_ids))})
+
+
+def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
+    completion = sum(d.completion_tokens for d in last.values())
+    cached = max((d.cached_tokens for d in last.values()), default=0)
+    prompt = next((d.prompt_tokens for d in last.values()), prompt_tokens)
+    return usage(prompt, completion, cached)
+
+
+async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
+                       model: str) -> AsyncIterator[dict[str, str]]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    toks = _Tokens(gw.engine.tokenizer)
+    started: set[int] = set()
+    last: dict[int, Any] = {}
+    gw.metrics.open_streams.labels("sse").inc()
+    try:
+        async for d in gen.deltas():
+            last[d.index] = d
+            delta: dict[str, Any] = {}
+            if d.index not in started:
+                started.add(d.index)
+                delta["role"] = "assistant"
+            delta["content"] = d.text
+            choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None,
+                                      "finish_reason": d.finish_reason if d.finished else None}
+            if req.logprobs:
+                choice["logprobs"] = {"content": toks.chat(d.token_ids, d.logprobs, req.top_logprobs or 0)}
+            chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                     "model": model, "choices": [choice]}
+            if include_usage:
+                chunk["usage"] = None
+            yield {"data": json.dumps(chunk)}
+        if include_usage:
+            yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                       "model": model, "choices": [], "usage": _usage(last, 0)})}
+        yield {"data": "[DONE]"}
+    finally:
+        gw.metrics.open_streams.labels("sse").dec()
+        await gen.close()
+
+
+async def completions(request: Request) -> Response:
+    gw = gateway(request)
+    gw.auth.from_http(request.headers)
+    req = parse(CompletionRequest, await read_json(request, gw.settings.max_body_bytes))
+    model = gw.check_model(req.model)
+    _check_n(gw, req.n)
+    tok = gw.engine.tokenizer
+    if isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
+        prompt_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
+        prompt_ids = list(tok.encode(prompt_text, add_special_tokens=True))
+    else:
+        prompt_ids = [int(t) for t in req.prompt]
+        if any(t < 0 or t >= tok.vocab_size for t in prompt_ids):
+            raise APIError(400, "prompt token id out of range", code="invalid_value", param="prompt")
+        prompt_text = tok.decode(prompt_ids, skip_special_tokens=False)
+    if not prompt_ids:
+        raise APIError(400, "prompt must contain at least one token", code="invalid_value", param="prompt")
+    max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), gw.engine.max_model_len, 16)
+    rid = "cmpl-" + secrets.token_hex(12)
+    gen = Generation(gw.engine, gw.metrics, rid, _params(req, max_tokens, req.logprobs), prompt_ids,
+                     gw.settings.retry_after_s)
+    await gen.start()
+    created = int(time.time())
+    echo = prompt_text if req.echo else ""
+    if req.stream:
+        return EventSourceResponse(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10)
+    try:
+        texts: dict[int, list[str]] = {}
+        tokens: dict[int, list[int]] = {}
+        lps: dict[int, list[dict[int, float]]] = {}
+        reasons: dict[int, str | None] = {}
+        last: dict[int, Any] = {}
+        async for d in gen.deltas():
+            texts.setdefault(d.index, [echo]).append(d.text)
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+            lps.setdefault(d.index, []).extend(d.logprobs or [])
+            last[d.index] = d
+            if d.finished:
+                reasons[d.index] = d.finish_reason
+    finally:
+        await gen.close()
+    toks = _Tokens(tok)
+    choices = [{"index": i, "text": "".join(texts[i]), "finish_reason": reasons.get(i),
+                "logprobs": toks.completion(tokens[i], lps[i], req.logprobs or 0, len(echo))
+                if req.logprobs is not None else None} for i in sorted(texts)]
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "choices": choices, "usage": _usage(last, len(prompt_ids))})
+
+
+async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionRequest, rid: str, created: int,
+                             model: str, echo: str) -> AsyncIterator[dict[str, str]]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    toks = _Tokens(gw.engine.tokenizer)
+    started: set[int] = set()
+    offsets: dict[int, int] = {}
+    last: dict[int, Any] = {}
+    gw.metrics.open_streams.labels("sse").inc()
+    try:
+        async for d in gen.deltas():
+            last[d.index] = d
+            text = d.text
+            if d.index not in started:
+                started.add(d.index)
+                text = echo + text
+            choice: dict[str, Any] = {"index": d.index, "text": text, "logprobs": None,
+                                      "finish_reason": d.finish_reason if d.finished else None}
+            if req.logprobs is not None:
+                off = offsets.get(d.index, len(echo))
+                choice["logprobs"] = toks.completion(d.token_ids, d.logprobs, req.logprobs, off)
+                offsets[d.index] = off + len(d.text)
+            chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                                     "choices": [choice]}
+            if include_usage:
+                chunk["usage"] = None
+            yield {"data": json.dumps(chunk)}
+        if include_usage:
+            yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                       "model": model, "choices": [], "usage": _usage(last, 0)})}
+        yield {"data": "[DONE]"}
+    finally:
+        gw.metrics.open_streams.labels("sse").dec()
+        await gen.close()
+
+
+routes = [
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+]

@@ -1,0 +1,152 @@
+"""Pydantic request schemas (OpenAI-compatible plus vLLM's extensions) and response builders."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.request import SamplingParams
+
+
+class _Lenient(BaseModel):
+    # Unknown fields are ignored, like OpenAI does for fields it does not know.
+    model_config = ConfigDict(extra="ignore")
+
+
+class SamplingFields(_Lenient):
+    """Sampling knobs shared by the OpenAI routes, session messages and WebSocket frames."""
+
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > 8:
+            raise ValueError("at most 8 stop strings")
+        return v
+
+    def sampling_params(self, max_tokens: int, n: int = 1, logprobs: int | None = None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
+            logprobs=logprobs,
+        )
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _OpenAIBase(SamplingFields):
+    model: str | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _content_present(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(v):
+            if m.role != "assistant" and not m.text().strip():
+                raise ValueError(f"message {i} ({m.role}) has empty content")
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: str | Annotated[list[int], Field(min_length=1)] | Annotated[list[str], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_nonempty(cls, v: str | list[int] | list[str]) -> str | list[int] | list[str]:
+        if isinstance(v, str) and not v:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and v and isinstance(v[0], str) and not v[0]:
+            raise ValueError("prompt must not be empty")
+        return v
+
+
+class PersonaBody(_Lenient):
+    system_prompt: Annotated[str, Field(min_length=1, max_length=16_000)]
+    description: Annotated[str, Field(max_length=1000)] = ""
+
+
+class SessionCreate(_Lenient):
+    persona: str | None = None
+    title: Annotated[str, Field(max_length=200)] | None = None
+
+
+class SessionMessage(SamplingFields):
+    content: Annotated[str, Field(min_length=1)]
+
+    @field_validator("content")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("content must not be blank")
+        return v
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

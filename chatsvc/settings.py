@@ -1,0 +1,45 @@
+"""Gateway settings: one frozen dataclass built by the CLI (or by tests) and passed to create_app."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_data_dir() -> Path:
+    """Where the embedded Redis keeps its append-only file (the user's data dir, XDG style)."""
+    if env := os.environ.get("CHATSVC_DATA_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "chatsvc"
+
+
+def api_keys_from_env() -> tuple[str, ...]:
+    raw = os.environ.get("CHATSVC_API_KEYS", "")
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Empty = no auth: every caller is the same anonymous owner.
+    api_keys: tuple[str, ...] = ()
+    # fnmatch patterns for WebSocket Origins, on top of "same host as the server".
+    allowed_origins: tuple[str, ...] = ("http://localhost:*", "http://127.0.0.1:*", "http://localhost",
+                                        "http://127.0.0.1")
+    session_ttl_s: int = 7 * 24 * 3600
+    # Reply streams only exist for resuming a reply, so they expire soon after it ends.
+    stream_ttl_s: int = 300
+    # A session reply whose last reader left (SSE disconnect, abnormal WS close) is aborted after this grace,
+    # unless a client resumes it; an explicit cancel or a clean WS close aborts at once.
+    abort_grace_s: float = 3.0
+    max_body_bytes: int = 1 << 20
+    max_message_chars: int = 32_000
+    max_ws_frame_bytes: int = 64 * 1024
+    max_n: int = 8
+    default_session_max_tokens: int = 256
+    retry_after_s: int = 1
+    kv_stream_interval_s: float = 0.25
+    web_dir: Path | None = None
+    redis_description: str = ""
+    extra_model_names: tuple[str, ...] = field(default_factory=tuple)

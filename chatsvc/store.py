@@ -1,0 +1,205 @@
+"""Redis store: personas, sessions with their messages, per-reply event streams and the turn lock.
+
+Keys (prefix ``chatsvc:``):
+- ``personas``                 hash name -> JSON {system_prompt, description}
+- ``personas:seeded``          set once the default personas were written (so deletions stick)
+- ``session:{id}``             hash: id, owner, persona, system_prompt, title, created, updated, turns
+- ``session:{id}:messages``    list of JSON messages
+- ``session:{id}:lock``        held while a reply is generated (SET NX): the 409 guard
+- ``owner:{owner}:sessions``   sorted set of session ids by creation time
+- ``stream:{id}:{turn}``       Redis Stream of one reply's events, short TTL
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+P = "chatsvc:"
+
+
+@dataclass
+class SessionMeta:
+    id: str
+    owner: str
+    persona: str
+    system_prompt: str
+    title: str
+    created: float
+    updated: float
+    turns: int
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "persona": self.persona, "title": self.title, "created": self.created,
+                "updated": self.updated, "turns": self.turns}
+
+
+class Store:
+    def __init__(self, redis: aioredis.Redis, session_ttl_s: int, stream_ttl_s: int) -> None:
+        self.r = redis
+        self.session_ttl_s = session_ttl_s
+        self.stream_ttl_s = stream_ttl_s
+
+    @classmethod
+    def from_url(cls, url: str, session_ttl_s: int = 7 * 24 * 3600, stream_ttl_s: int = 300) -> Store:
+        # Short timeouts: an unreachable Redis must fail session routes quickly (503), not hang them.
+        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2,
+                                         socket_timeout=10, health_check_interval=15)
+        return cls(client, session_ttl_s, stream_ttl_s)
+
+    async def close(self) -> None:
+        await self.r.aclose()
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self.r.ping())
+        except Exception:
+            return False
+
+    # -- personas ---------------------------------------------------------------------------------
+    async def seed_personas(self, defaults: dict[str, dict[str, str]]) -> None:
+        if await self.r.set(P + "personas:seeded", "1", nx=True):
+            for name, body in defaults.items():
+                await self.r.hsetnx(P + "personas", name, json.dumps(body))
+
+    async def list_personas(self) -> dict[str, dict[str, str]]:
+        raw = await self.r.hgetall(P + "personas")
+        return {name: json.loads(v) for name, v in sorted(raw.items())}
+
+    async def get_persona(self, name: str) -> dict[str, str] | None:
+        raw = await self.r.hget(P + "personas", name)
+        return json.loads(raw) if raw else None
+
+    async def put_persona(self, name: str, body: dict[str, str]) -> bool:
+        """Returns True when the persona was created (False: replaced)."""
+        return bool(await self.r.hset(P + "personas", name, json.dumps(body)))
+
+    async def delete_persona(self, name: str) -> bool:
+        return bool(await self.r.hdel(P + "personas", name))
+
+    # -- sessions ---------------------------------------------------------------------------------
+    def _skey(self, sid: str) -> str:
+        return f"{P}session:{sid}"
+
+    async def create_session(self, owner: str, persona: str, system_prompt: str, title: str = "") -> SessionMeta:
+        now = time.time()
+        meta = SessionMeta(secrets.token_urlsafe(18), owner, persona, system_prompt, title, now, now, 0)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self._skey(meta.id), mapping={
+                "id": meta.id, "owner": owner, "persona": persona, "system_prompt": system_prompt,
+                "title": title, "created": now, "updated": now, "turns": 0})
+            pipe.expire(self._skey(meta.id), self.session_ttl_s)
+            pipe.zadd(f"{P}owner:{owner}:sessions", {meta.id: now})
+            pipe.expire(f"{P}owner:{owner}:sessions", self.session_ttl_s)
+            await pipe.execute()
+        return meta
+
+    async def get_session(self, sid: str, owner: str) -> SessionMeta | None:
+        """The session if it exists and belongs to ``owner`` (a foreign session looks absent)."""
+        raw = await self.r.hgetall(self._skey(sid))
+        if not raw or raw.get("owner") != owner:
+            return None
+        return SessionMeta(raw["id"], raw["owner"], raw["persona"], raw["system_prompt"], raw.get("title", ""),
+                           float(raw["created"]), float(raw["updated"]), int(raw["turns"]))
+
+    async def list_sessions(self, owner: str, limit: int = 100) -> list[SessionMeta]:
+        key = f"{P}owner:{owner}:sessions"
+        ids = await self.r.zrevrange(key, 0, limit - 1)
+        out = []
+        for sid in ids:
+            meta = await self.get_session(sid, owner)
+            if meta is None:
+                await self.r.zrem(key, sid)  # expired: drop the stale index entry
+            else:
+                out.append(meta)
+        return out
+
+    async def delete_session(self, sid: str, owner: str) -> bool:
+        if await self.get_session(sid, owner) is None:
+            return False
+        keys = [self._skey(sid), self._skey(sid) + ":messages", self._skey(sid) + ":lock"]
+        keys += [k async for k in self.r.scan_iter(match=f"{P}stream:{sid}:*")]
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.delete(*keys)
+            pipe.zrem(f"{P}owner:{owner}:sessions", sid)
+            await pipe.execute()
+        return True
+
+    async def messages(self, sid: str) -> list[dict[str, Any]]:
+        return [json.loads(m) for m in await self.r.lrange(self._skey(sid) + ":messages", 0, -1)]
+
+    async def begin_turn(self, sid: str, user_message: dict[str, Any]) -> int | None:
+        """Take the session's lock and append the user message; None if a reply is already running.
+
+        The lock makes a turn append exactly once under concurrent requests: the loser gets 409.
+        """
+        lock = self._skey(sid) + ":lock"
+        if not await self.r.set(lock, "1", nx=True, ex=3600):
+            return None
+        try:
+            async with self.r.pipeline(transaction=True) as pipe:
+                pipe.rpush(self._skey(sid) + ":messages", json.dumps(user_message))
+                pipe.hincrby(self._skey(sid), "turns", 1)
+                pipe.hset(self._skey(sid), "updated", time.time())
+                self._touch(pipe, sid)
+                res = await pipe.execute()
+            return int(res[1])
+        except BaseException:
+            await self.r.delete(lock)
+            raise
+
+    async def rollback_turn(self, sid: str) -> None:
+        """Undo begin_turn when generation could not even start (queue full, invalid request)."""
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.rpop(self._skey(sid) + ":messages")
+            pipe.hincrby(self._skey(sid), "turns", -1)
+            pipe.delete(self._skey(sid) + ":lock")
+            await pipe.execute()
+
+    async def end_turn(self, sid: str, assistant_message: dict[str, Any]) -> None:
+        # Only while the session still exists: it may have been deleted mid-reply.
+        if await self.r.exists(self._skey(sid)):
+            async with self.r.pipeline(transaction=True) as pipe:
+                pipe.rpush(self._skey(sid) + ":messages", json.dumps(assistant_message))
+                pipe.hset(self._skey(sid), "updated", time.time())
+                self._touch(pipe, sid)
+                pipe.delete(self._skey(sid) + ":lock")
+                await pipe.execute()
+        else:
+            await self.r.delete(self._skey(sid) + ":messages", self._skey(sid) + ":lock")
+
+    async def is_busy(self, sid: str) -> bool:
+        return bool(await self.r.exists(self._skey(sid) + ":lock"))
+
+    def _touch(self, pipe: Any, sid: str) -> None:
+        for key in (self._skey(sid), self._skey(sid) + ":messages"):
+            pipe.expire(key, self.session_ttl_s)
+
+    # -- reply streams ----------------------------------------------------------------------------
+    def stream_key(self, sid: str, turn: int) -> str:
+        return f"{P}stream:{sid}:{turn}"
+
+    async def append_event(self, sid: str, turn: int, event: dict[str, Any]) -> str:
+        key = self.stream_key(sid, turn)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.xadd(key, {"e": json.dumps(event)})
+            pipe.expire(key, self.stream_ttl_s)
+            res = await pipe.execute()
+        return str(res[0])
+
+    async def read_events(self, sid: str, turn: int, after: str, block_ms: int) -> list[tuple[str, dict[str, Any]]]:
+        """Events after stream id ``after`` ("0" = from the start), waiting up to ``block_ms`` for new ones."""
+        # XREAD BLOCK 0 would wait forever: 0 here means "do not block".
+        res = await self.r.xread({self.stream_key(sid, turn): after}, block=block_ms or None, count=256)
+        out: list[tuple[str, dict[str, Any]]] = []
+        for _key, entries in res or []:
+            out.extend((eid, json.loads(fields["e"])) for eid, fields in entries)
+        return out
+
+    async def stream_exists(self, sid: str, turn: int) -> bool:
+        return bool(await self.r.exists(self.stream_key(sid, turn)))

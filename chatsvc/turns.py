@@ -1,0 +1,211 @@
+"""Session turns run as server-side tasks that write each reply to a Redis Stream.
+
+Clients (SSE or WebSocket) only *read* that stream, from the start or from the last event id they
+saw, so a reconnecting client gets the rest of the same reply without a second generation.
+
+Abort policy: a turn counts its readers. An explicit cancel aborts at once, and so does a clean
+WebSocket close by the last reader. When the last reader vanishes otherwise (SSE disconnect, a
+dropped socket), the turn keeps generating for ``abort_grace_s`` and is aborted unless a client
+resumes it within that time. Either way the assistant message is stored with the text so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from chatsvc.context import resolve_max_tokens
+from chatsvc.errors import APIError
+from chatsvc.generation import Generation
+from chatsvc.metrics import Metrics
+from chatsvc.schemas import SamplingFields, usage
+from chatsvc.settings import Settings
+from chatsvc.store import SessionMeta, Store
+
+log = logging.getLogger("chatsvc.turns")
+TERMINAL = ("done", "error")
+
+
+def event_id(turn: int, stream_id: str) -> str:
+    return f"{turn}:{stream_id}"
+
+
+def parse_event_id(value: str | None) -> tuple[int | None, str]:
+    """``"turn:stream-id"`` -> (turn, stream id); a bare stream id means the latest turn."""
+    if not value:
+        return None, "0"
+    turn, sep, sid = value.partition(":")
+    if sep and turn.isdigit():
+        return int(turn), sid or "0"
+    return None, value
+
+
+@dataclass
+class ActiveTurn:
+    session_id: str
+    turn: int
+    request_id: str
+    persona: str
+    readers: int = 1
+    task: asyncio.Task[None] | None = None
+    grace: asyncio.Task[None] | None = None
+    # A task cancelled before its first step never runs its cleanup, so aborts before that set a flag.
+    running: bool = False
+    abort_requested: bool = False
+    started: float = field(default_factory=time.time)
+
+
+class TurnRegistry:
+    def __init__(self, engine: Any, store: Store, metrics: Metrics, settings: Settings) -> None:
+        self.engine = engine
+        self.store = store
+        self.metrics = metrics
+        self.settings = settings
+        self.active: dict[str, ActiveTurn] = {}
+
+    def request_id(self, session_id: str) -> str | None:
+        at = self.active.get(session_id)
+        return at.request_id if at else None
+
+    async def start(self, meta: SessionMeta, content: str, sampling: SamplingFields) -> ActiveTurn:
+        """Validate, store the user message, admit the request and start generating (one reader attached)."""
+        if len(content) > self.settings.max_message_chars:
+            raise APIError(413, f"message exceeds {self.settings.max_message_chars} characters",
+                           code="message_too_large", param="content")
+        if meta.id in self.active:
+            raise APIError(409, "a reply is already being generated for this session", code="session_busy")
+        history = await self.store.messages(meta.id)
+        tok = self.engine.tokenizer
+        conversation = [{"role": "system", "content": meta.system_prompt}]
+        conversation += [{"role": m["role"], "content": m["content"]} for m in history]
+        conversation.append({"role": "user", "content": content})
+        prompt_ids = list(tok.apply_chat_template(conversation, add_generation_prompt=True))
+        max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
+                                        self.settings.default_session_max_tokens)
+        try:
+            params = sampling.sampling_params(max_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+        user_msg = {"role": "user", "content": content, "created": time.time(),
+                    "tokens": len(tok.encode(content))}
+        turn = await self.store.begin_turn(meta.id, user_msg)
+        if turn is None or meta.id in self.active:
+            raise APIError(409, "a reply is already being generated for this session", code="session_busy")
+        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona)
+        gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s)
+        try:
+            await gen.start()
+        except BaseException:
+            await self.store.rollback_turn(meta.id)
+            raise
+        self.active[meta.id] = at
+        at.task = asyncio.create_task(self._run(at, gen), name=f"turn-{at.request_id}")
+        return at
+
+    async def _run(self, at: ActiveTurn, gen: Generation) -> None:
+        parts: list[str] = []
+        reason = "abort"
+        last: Any = None
+        at.running = True
+        try:
+            if at.abort_requested:
+                raise asyncio.CancelledError
+            async for d in gen.deltas():
+                last = d
+                parts.append(d.text)
+                if d.finished:
+                    reason = d.finish_reason or "stop"
+                await self.store.append_event(at.session_id, at.turn,
+                                              {"type": "delta", "text": d.text, "tokens": len(d.token_ids)})
+        except asyncio.CancelledError:
+            reason = "abort"
+        except Exception:
+            log.exception("turn %s failed", at.request_id)
+            reason = "error"
+        finally:
+            await gen.close()
+        u = usage(last.prompt_tokens if last else len(gen.prompt_token_ids),
+                  last.completion_tokens if last else 0, last.cached_tokens if last else 0)
+        msg = {"role": "assistant", "content": "".join(parts), "created": time.time(),
+               "tokens": u["completion_tokens"], "finish_reason": reason, "prompt_tokens": u["prompt_tokens"],
+               "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+        try:
+            await self.store.end_turn(at.session_id, msg)
+            await self.store.append_event(at.session_id, at.turn,
+                                          {"type": "done", "finish_reason": reason, "usage": u, "message": msg})
+        except Exception:
+            log.exception("could not store the reply of %s", at.request_id)
+        finally:
+            self.active.pop(at.session_id, None)
+            if at.grace is not None:
+                at.grace.cancel()
+
+    # -- readers ----------------------------------------------------------------------------------
+    def attach(self, session_id: str, turn: int) -> ActiveTurn | None:
+        at = self.active.get(session_id)
+        if at is None or at.turn != turn:
+            return None
+        at.readers += 1
+        if at.grace is not None:
+            at.grace.cancel()
+            at.grace = None
+        return at
+
+    def detach(self, at: ActiveTurn, abort_now: bool) -> None:
+        at.readers -= 1
+        if at.readers > 0 or at.task is None or at.task.done():
+            return
+        if abort_now:
+            self._abort(at)
+        elif at.grace is None:
+            at.grace = asyncio.create_task(self._grace(at))
+
+    async def _grace(self, at: ActiveTurn) -> None:
+        await asyncio.sleep(self.settings.abort_grace_s)
+        if at.readers <= 0 and at.task is not None:
+            log.info("no reader came back for %s: aborting", at.request_id)
+            self._abort(at)
+
+    @staticmethod
+    def _abort(at: ActiveTurn) -> None:
+        at.abort_requested = True
+        if at.running and at.task is not None:
+            at.task.cancel()
+
+    async def cancel(self, session_id: str) -> bool:
+        at = self.active.get(session_id)
+        if at is None or at.task is None:
+            return False
+        self._abort(at)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(at.task)
+        return True
+
+    async def shutdown(self) -> None:
+        tasks = [at.task for at in self.active.values() if at.task is not None]
+        for at in list(self.active.values()):
+            self._abort(at)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def follow(self, session_id: str, turn: int, after: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Events of one reply after stream id ``after``, until its done/error event (or until it is gone)."""
+        while True:
+            events = await self.store.read_events(session_id, turn, after, block_ms=1000)
+            if not events:
+                at = self.active.get(session_id)
+                if at is None or at.turn != turn:
+                    # Finished (or never ran here): drain what is left without blocking, then stop.
+                    events = await self.store.read_events(session_id, turn, after, block_ms=0) \
+                        if await self.store.stream_exists(session_id, turn) else []
+                    if not events:
+                        return
+            for sid, ev in events:
+                after = sid
+                yield event_id(turn, sid), ev
+                if ev.get("type") in TERMINAL:
+                    return
