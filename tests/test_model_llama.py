@@ -1,0 +1,158 @@
+"""Our Llama/Qwen2 forward on the paged cache against transformers' own implementation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.loader import LoadedModel, load_model
+from engine.model.attention import AttentionMetadata, prefill_metadata
+from engine.model.testing import make_tiny_model_dir
+
+BLOCK = 4  # small blocks so short prompts span several blocks and the block tables matter
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model_dir(base, arch) for arch in ("llama", "qwen2")}  # type: ignore[arg-type]
+
+
+def empty_cache(lm: LoadedModel, num_blocks: int = 32, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    c = lm.config
+    # Large finite garbage, not zeros: attending to a slot never written would swamp the output.
+    return torch.full((c.num_layers, 2, num_blocks, BLOCK, c.num_kv_heads, c.head_dim), 50.0, dtype=dtype)
+
+
+def reference_logits(model_dir: Path, ids: list[int], **kwargs: object) -> torch.Tensor:
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kwargs)
+    with torch.inference_mode():
+        return ref(torch.tensor([ids])).logits[0]
+
+
+def run(lm: LoadedModel, ids: list[int], positions: torch.Tensor, kv: torch.Tensor,
+        meta: AttentionMetadata) -> torch.Tensor:
+    with torch.inference_mode():
+        return lm.model.compute_logits(lm.model(torch.tensor(ids), positions, kv, meta))
+
+
+def prompt_ids(lm: LoadedModel, n: int) -> list[int]:
+    ids = lm.tokenizer.encode("The quick brown fox asked the lazy dog: what is the capital of France?")
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefill_matches_transformers(tiny_dirs: dict[str, Path], arch: str) -> None:
+    lm = load_model(str(tiny_dirs[arch]))
+    ids = prompt_ids(lm, 11)
+    meta, pos = prefill_metadata([len(ids)], BLOCK)
+    ours = run(lm, ids, pos, empty_cache(lm), meta)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, reference_logits(tiny_dirs[arch], ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefill_then_decode_reads_paged_cache(tiny_dirs: dict[str, Path], arch: str) -> None:
+    lm = load_model(str(tiny_dirs[arch]))
+    ids = prompt_ids(lm, 6)
+    kv = empty_cache(lm)
+    # Non-consecutive physical blocks, so a kernel ignoring the block table reads the wrong place.
+    table = torch.tensor([[7, 2]], dtype=torch.int32)
+    slots = [int(table[0, p // BLOCK]) * BLOCK + p % BLOCK for p in range(6)]
+    prefill = AttentionMetadata(
+        slot_mapping=torch.tensor(slots[:5]), block_tables=table, context_lens=torch.tensor([5], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 5], dtype=torch.int32), num_decodes=0, max_query_len=5, max_context_len=5)
+    run(lm, ids[:5], torch.arange(5), kv, prefill)
+    decode = AttentionMetadata(
+        slot_mapping=torch.tensor(slots[5:]), block_tables=table, context_lens=torch.tensor([6], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), num_decodes=1, max_query_len=1, max_context_len=6)
+    ours = run(lm, ids[5:], torch.tensor([5]), kv, decode)
+    torch.testing.assert_close(ours[0], reference_logits(tiny_dirs[arch], ids)[5], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_decode_and_chunked_prefill_step(tiny_dirs: dict[str, Path]) -> None:
+    """One step holding a decode of seq A, the 2nd chunk of seq B and a fresh prefill of seq C."""
+    lm = load_model(str(tiny_dirs["llama"]))
+    all_ids = lm.tokenizer.encode("Hello! How are you today? The quick brown fox jumps over the lazy dog again.")
+    a, b, c = all_ids[:7], all_ids[3:13], all_ids[5:10]
+    kv = empty_cache(lm)
+    tables = torch.tensor([[0, 1, 0], [2, 3, 4], [5, 6, 0]], dtype=torch.int32)
+
+    def slot(seq: int, p: int) -> int:
+        return int(tables[seq, p // BLOCK]) * BLOCK + p % BLOCK
+
+    # Step 1: A's first 6 tokens and B's first 4 (a chunk), both prefills.
+    step1 = AttentionMetadata(
+        slot_mapping=torch.tensor([slot(0, p) for p in range(6)] + [slot(1, p) for p in range(4)]),
+        block_tables=tables[:2], context_lens=torch.tensor([6, 4], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 6, 10], dtype=torch.int32), num_decodes=0, max_query_len=6,
+        max_context_len=6)
+    first = run(lm, a[:6] + b[:4], torch.cat([torch.arange(6), torch.arange(4)]), kv, step1)
+    # Step 2: A decodes its 7th token, B prefills its remaining 6, C prefills all 5.
+    step2 = AttentionMetadata(
+        slot_mapping=torch.tensor([slot(0, 6)] + [slot(1, p) for p in range(4, 10)] + [slot(2, p) for p in range(5)]),
+        block_tables=tables, context_lens=torch.tensor([7, 10, 5], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 7, 12], dtype=torch.int32), num_decodes=1, max_query_len=6,
+        max_context_len=10)
+    second = run(lm, a[6:] + b[4:] + c, torch.cat([torch.tensor([6]), torch.arange(4, 10), torch.arange(5)]),
+                 kv, step2)
+
+    d = tiny_dirs["llama"]
+    ref_a, ref_b, ref_c = (reference_logits(d, s) for s in (a, b, c))
+    tol = {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(first[:6], ref_a[:6], **tol)
+    torch.testing.assert_close(first[6:], ref_b[:4], **tol)
+    torch.testing.assert_close(second[0], ref_a[6], **tol)
+    torch.testing.assert_close(second[1:7], ref_b[4:], **tol)
+    torch.testing.assert_close(second[7:], ref_c, **tol)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+    d = make_tiny_model_dir(tmp_path, "llama", rope_scaling=scaling, rope_theta=500000.0)
+    lm = load_model(str(d))
+    assert lm.config.rope_scaling is not None and lm.config.rope_scaling["rope_type"] == "llama3"
+    ids = prompt_ids(lm, 20)  # well past the "original" context, so the scaled frequencies matter
+    meta, pos = prefill_metadata([len(ids)], BLOCK)
+    torch.testing.assert_close(run(lm, ids, pos, empty_cache(lm), meta), reference_logits(d, ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_close_to_float32(tiny_dirs: dict[str, Path], dtype: torch.dtype) -> None:
+    d = tiny_dirs["qwen2"]
+    lm16, lm32 = load_model(str(d), dtype=dtype), load_model(str(d))
+    assert all(p.dtype == dtype for p in lm16.model.parameters())
+    ids = prompt_ids(lm32, 9)
+    meta, pos = prefill_metadata([len(ids)], BLOCK)
+    low = run(lm16, ids, pos, empty_cache(lm16, dtype=dtype), meta)
+    full = run(lm32, ids, pos, empty_cache(lm32), meta)
+    assert low.dtype == torch.float32
+    # Rounding error only: small next to the logits' spread, not equal (that would mean no conversion).
+    err = (low - full).abs().max().item()
+    assert 0 < err < 0.05 * full.abs().max().item()
+
+
+# ---- the real default model --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_model() -> LoadedModel:
+    return load_model(None)
+
+
+@pytest.mark.integration
+def test_real_gguf_model_matches_transformers(real_model: LoadedModel) -> None:
+    lm = real_model
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three primary colors, briefly."}])
+    meta, pos = prefill_metadata([len(ids)], 16)
+    kv = torch.zeros(lm.config.num_layers, 2, 8, 16, lm.config.num_kv_heads, lm.config.head_dim)
+    ours = run(lm, ids, pos, kv, meta)
+    ref = reference_logits(lm.path.parent, ids, gguf_file=lm.path.name)
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
