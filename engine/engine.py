@@ -309,6 +309,10 @@ class LLMEngine:
         """Pin the cached full blocks of a prefix (compute it first, e.g. with a max_tokens=1 request)."""
         return self.block_manager.pin(key, list(prompt_token_ids))
 
+    def block_size_tokens_min(self) -> int:
+        """Shortest prefix that fills a block, and so the shortest worth computing to pin."""
+        return self.block_manager.block_size
+
     def unpin_prefix(self, key: str) -> None:
         self.block_manager.unpin(key)
 

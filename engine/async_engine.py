@@ -1,0 +1,228 @@
+"""asyncio facade over ``LLMEngine`` for the gateway.
+
+The engine runs in one worker thread that owns it: requests, aborts and pins reach it as
+commands through a thread-safe queue and are applied between steps, so the event loop never
+waits for a step (torch releases the GIL while it computes). Each request's deltas flow back
+to the event loop through its own asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.engine import LLMEngine, RequestDelta
+from engine.request import SamplingParams, SequenceGroup
+from engine.scheduler import QueueFullError
+
+log = logging.getLogger("chatsvc.engine")
+
+__all__ = ["AsyncEngine", "RequestDelta", "QueueFullError", "EngineDeadError"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (never started, stopped, or crashed)."""
+
+
+class AsyncEngine:
+    def __init__(self, llm_engine: LLMEngine) -> None:
+        self.engine = llm_engine
+        self.tokenizer = llm_engine.tokenizer
+        self.model_name = llm_engine.model_name
+        self.max_model_len = llm_engine.max_model_len
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | None]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, tuple[asyncio.Queue[RequestDelta | BaseException], int]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._pin_ids = itertools.count()
+        self._pending = 0  # requests submitted but not yet handed to the scheduler
+        self._stats: dict[str, Any] = llm_engine.stats()
+        self._snapshot: dict[str, Any] = llm_engine.kv_snapshot()
+        self._snapshot_wanted = 0.0
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **engine_kwargs: Any) -> AsyncEngine:
+        return cls(LLMEngine(model=model, **engine_kwargs))
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._publish(force=False)
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - one bad batch must not take the server down
+                log.exception("engine step failed; failing the requests it held")
+                self._fail_running(exc)
+                continue
+            self._deliver(deltas)
+            self._publish(force=False)
+        # Shutting down: end every open stream.
+        for request_id in list(self._streams):
+            self._deliver(self.engine.abort_request(request_id))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                if fut is not None:
+                    fut.set_exception(exc)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+
+    def _fail_running(self, exc: Exception) -> None:
+        for group in list(self.engine.scheduler.running):
+            self.engine.abort_request(group.request_id)
+            self._send(group.request_id, RuntimeError(f"engine error: {exc}"))
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            self._send(delta.request_id, delta)
+
+    def _send(self, request_id: str, item: RequestDelta | BaseException) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None or self._loop is None:
+            return
+        self._loop.call_soon_threadsafe(entry[0].put_nowait, item)
+
+    def _publish(self, force: bool) -> None:
+        self._stats = self.engine.stats()
+        if force or time.monotonic() - self._snapshot_wanted < 2.0:
+            self._snapshot = self.engine.kv_snapshot()
+
+    def _submit(self, fn: Callable[[], Any], want_result: bool = False) -> Future[Any] | None:
+        fut: Future[Any] | None = Future() if want_result else None
+        self._commands.put((fn, fut))
+        self._wakeup.set()
+        return fut
+
+    # -- requests ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        request_id: str,
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Submit a request; its deltas stream from the returned iterator.
+
+        Raises ValueError (bad request) or QueueFullError here, before anything is queued.
+        Closing the iterator early aborts the request and frees its blocks.
+        """
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        group = self.engine.make_request(request_id, sampling_params, prompt, prompt_token_ids)
+        waiting = self._stats.get("requests_waiting", 0) + self._pending
+        if waiting >= self.engine.scheduler_config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.engine.scheduler_config.max_waiting} requests)")
+        stream: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (stream, sampling_params.n)
+        self._pending += 1
+        self._submit(lambda: self._add(group))
+        return self._stream(request_id, stream, sampling_params.n)
+
+    def _add(self, group: SequenceGroup) -> None:
+        self._pending -= 1
+        try:
+            self.engine.add_group(group)
+        except Exception as exc:  # noqa: BLE001 - e.g. the queue filled up meanwhile
+            self._send(group.request_id, exc)
+
+    async def _stream(
+        self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException], n: int
+    ) -> AsyncIterator[RequestDelta]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.request_finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason "abort" and its blocks are freed."""
+        fut = self._submit(lambda: self._deliver(self.engine.abort_request(request_id)), want_result=True)
+        assert fut is not None
+        await asyncio.wrap_future(fut)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        fut = self._submit(fn, want_result=True)
+        assert fut is not None
+        return await asyncio.wrap_future(fut)
+
+    # -- prefixes ---------------------------------------------------------------------------------
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+        """Compute a prefix (a persona's system prompt) and pin its full blocks; returns tokens pinned."""
+        ids = list(prompt_token_ids)
+        if len(ids) >= self.engine.block_size_tokens_min():
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            async for _ in self.generate(f"pin-{next(self._pin_ids)}-{key}", params, prompt_token_ids=ids):
+                pass
+        pinned: int = await self._call(lambda: self.engine.pin_prefix(key, ids))
+        return pinned
+
+    def unpin_prefix(self, key: str) -> None:
+        self._submit(lambda: self.engine.unpin_prefix(key))
+
+    # -- numbers ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """The latest block-pool picture; asking keeps the engine thread refreshing it."""
+        if time.monotonic() - self._snapshot_wanted > 2.0:
+            # First ask after a quiet spell: have the engine thread take a fresh one now.
+            self._submit(lambda: self._publish(force=True))
+        self._snapshot_wanted = time.monotonic()
+        return self._snapshot
