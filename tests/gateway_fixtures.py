@@ -1,0 +1,65 @@
+"""Fixtures for the gateway tests: a private redis-server, a tiny-model engine, a live server.
+
+Import what a module needs with ``from tests.gateway_fixtures import *`` style names or list this
+module in ``pytest_plugins``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProc:
+    def __init__(self, port: int, data_dir: Path) -> None:
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(data_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if redis.Redis(port=port, socket_connect_timeout=0.2).ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_proc() -> Iterator[RedisProc]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed")
+    with tempfile.TemporaryDirectory() as d:
+        proc = RedisProc(free_port(), Path(d))
+        yield proc
+        proc.stop()
+
+
+@pytest.fixture
+def redis_url(redis_proc: RedisProc) -> str:
+    """A clean database for each test."""
+    redis.Redis.from_url(redis_proc.url).flushdb()
+    return redis_proc.url
