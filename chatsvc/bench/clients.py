@@ -1,0 +1,322 @@
+"""The three ways to talk to a chat server: our WebSocket, our session SSE API, and any OpenAI server.
+
+A ``Client`` holds what a run shares (one HTTP connection pool); ``open_session`` gives a
+``ChatSession`` that sends one user turn at a time and fills a ``RequestRecord`` as deltas arrive.
+Server-side history (ws, sse) means a turn sends only the new message; in openai mode the session
+keeps the history and resends it, as any OpenAI client must.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from chatsvc.bench.metrics import RequestRecord
+
+MODES = ("ws", "sse", "openai")
+
+
+class BenchError(Exception):
+    """A failed request; ``kind`` is what the report groups errors by."""
+
+    def __init__(self, kind: str, detail: str = "") -> None:
+        super().__init__(f"{kind}: {detail}" if detail else kind)
+        self.kind = kind
+        self.detail = detail
+
+
+def classify_error(exc: BaseException) -> tuple[str, str]:
+    """(kind, detail) for the report's error counts."""
+    if isinstance(exc, BenchError):
+        return exc.kind, exc.detail
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return "timeout", str(exc)
+    if isinstance(exc, httpx.ConnectError | ConnectionRefusedError):
+        return "connect", str(exc)
+    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError):
+        return "disconnected", str(exc)
+    try:
+        import websockets.exceptions as wse
+
+        if isinstance(exc, wse.InvalidStatus):
+            return f"http_{exc.response.status_code}", str(exc)
+        if isinstance(exc, wse.ConnectionClosed):
+            return "ws_closed", str(exc)
+    except ImportError:  # pragma: no cover - websockets is a dependency
+        pass
+    if isinstance(exc, OSError):
+        return "connect", str(exc)
+    if isinstance(exc, json.JSONDecodeError | ValueError | KeyError | TypeError):
+        return "protocol", f"{type(exc).__name__}: {exc}"
+    return type(exc).__name__, str(exc)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    url: str
+    mode: str = "openai"
+    api_key: str | None = None
+    model: str | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    seed: int | None = None
+    persona: str | None = None
+    system_prompt: str | None = None
+    connect_timeout_s: float = 30.0
+
+
+def base_url(url: str) -> str:
+    """Accept ``http://host:port``, ``.../v1`` or ``.../v1/``; return the origin without ``/v1``."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def ws_url(url: str) -> str:
+    b = base_url(url)
+    if b.startswith("https://"):
+        return "wss://" + b[len("https://"):] + "/v1/ws"
+    if b.startswith("http://"):
+        return "ws://" + b[len("http://"):] + "/v1/ws"
+    return b + "/v1/ws"
+
+
+class ChatSession(Protocol):
+    async def send(self, content: str, rec: RequestRecord) -> None: ...
+    async def close(self) -> None: ...
+
+
+def _apply_usage(rec: RequestRecord, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    if isinstance(usage.get("completion_tokens"), int):
+        rec.output_tokens = usage["completion_tokens"]
+        rec.token_source = "usage"
+    if isinstance(usage.get("prompt_tokens"), int):
+        rec.prompt_tokens = usage["prompt_tokens"]
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cached_tokens")
+    if isinstance(cached, int):
+        rec.cached_tokens = cached
+
+
+def handle_event(rec: RequestRecord, obj: Any, event: str | None = None, now: float | None = None) -> bool:
+    """Fold one server message (an SSE ``data`` JSON or a WS frame) into ``rec``. Understands OpenAI chunks,
+    ``{"type": "delta"|"done"|"error"}`` frames and the same with the type in the SSE ``event`` name.
+    Returns True when the message ends the reply."""
+    if not isinstance(obj, dict):
+        raise BenchError("protocol", f"unexpected message {obj!r:.200}")
+    now = time.perf_counter() if now is None else now
+    kind = obj.get("type") or event
+    err = obj.get("error")
+    if kind == "error" or err:
+        e = err if isinstance(err, dict) else obj
+        code = e.get("code") or e.get("type") or "error"
+        raise BenchError(f"server_{code}", str(e.get("message", ""))[:300])
+    text = ""
+    done = False
+    if isinstance(obj.get("choices"), list):
+        for choice in obj["choices"]:
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if isinstance(delta, dict) else None
+            if piece is None:
+                piece = choice.get("text")  # /v1/completions chunks
+            text += piece or ""
+            if choice.get("finish_reason"):
+                rec.finish_reason = choice["finish_reason"]
+    elif kind in ("delta", "token", "message.delta"):
+        piece = obj.get("text", obj.get("delta", obj.get("content")))
+        text = piece if isinstance(piece, str) else ""
+    if kind in ("done", "end", "message.done", "finish"):
+        rec.finish_reason = obj.get("finish_reason", rec.finish_reason)
+        done = True
+    _apply_usage(rec, obj.get("usage"))
+    if text:
+        rec.delta_times.append(now)
+        rec.text += text
+    return done
+
+
+async def iter_sse(response: httpx.Response) -> Any:
+    """Yield (event name, data string) for each SSE event; comments and ids are skipped."""
+    event: str | None = None
+    data: list[str] = []
+    async for line in response.aiter_lines():
+        if not line:
+            if data:
+                yield event, "\n".join(data)
+            event, data = None, []
+            continue
+        if line.startswith(":"):
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "data":
+            data.append(value)
+        elif field == "event":
+            event = value
+    if data:
+        yield event, "\n".join(data)
+
+
+async def _consume_sse(response: httpx.Response, rec: RequestRecord) -> None:
+    if response.status_code != 200:
+        body = (await response.aread()).decode(errors="replace")[:300]
+        raise BenchError(f"http_{response.status_code}", body)
+    ended = False
+    async for event, data in iter_sse(response):
+        if data.strip() == "[DONE]":
+            ended = True
+            break
+        if handle_event(rec, json.loads(data), event):
+            ended = True
+    if not ended and rec.finish_reason is None:
+        raise BenchError("truncated", "stream ended without a final event")
+
+
+class Client:
+    """Shared state of one run against one server."""
+
+    def __init__(self, cfg: ClientConfig, max_connections: int | None = None) -> None:
+        if cfg.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        self.cfg = cfg
+        self.base = base_url(cfg.url)
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.http = httpx.AsyncClient(
+            base_url=self.base,
+            headers=headers,
+            timeout=httpx.Timeout(None, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+        self.model = cfg.model
+
+    async def prepare(self) -> None:
+        """openai mode: the model name (first of /v1/models) unless given."""
+        if self.cfg.mode == "openai" and not self.model:
+            r = await self.http.get("/v1/models")
+            if r.status_code != 200:
+                raise BenchError(f"http_{r.status_code}", f"GET /v1/models: {r.text[:200]}")
+            self.model = r.json()["data"][0]["id"]
+
+    def sampling(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature}
+        if self.cfg.ignore_eos:
+            body["ignore_eos"] = True
+        if self.cfg.seed is not None:
+            body["seed"] = self.cfg.seed
+        return body
+
+    async def open_session(self) -> ChatSession:
+        if self.cfg.mode == "openai":
+            return OpenAISession(self)
+        if self.cfg.mode == "sse":
+            return SseSession(self)
+        return WsSession(self)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+class OpenAISession:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        sp = client.cfg.system_prompt
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": sp}] if sp else []
+
+    async def send(self, content: str, rec: RequestRecord) -> None:
+        self.messages.append({"role": "user", "content": content})
+        body = {"model": self.client.model, "messages": self.messages, "stream": True,
+                "stream_options": {"include_usage": True}, **self.client.sampling()}
+        async with self.client.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            await _consume_sse(response, rec)
+        rec.end = time.perf_counter()
+        self.messages.append({"role": "assistant", "content": rec.text})
+
+    async def close(self) -> None:
+        return None
+
+
+class SseSession:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.id: str | None = None
+
+    async def _create(self) -> str:
+        body = {"persona": self.client.cfg.persona} if self.client.cfg.persona else {}
+        r = await self.client.http.post("/v1/sessions", json=body)
+        if r.status_code not in (200, 201):
+            raise BenchError(f"http_{r.status_code}", f"POST /v1/sessions: {r.text[:200]}")
+        return str(r.json()["id"])
+
+    async def send(self, content: str, rec: RequestRecord) -> None:
+        if self.id is None:
+            # Session creation is part of the first turn's latency, as a person would experience it.
+            self.id = await self._create()
+        body = {"content": content, "stream": True, **self.client.sampling()}
+        async with self.client.http.stream(
+            "POST", f"/v1/sessions/{self.id}/messages", json=body, headers={"Accept": "text/event-stream"}
+        ) as response:
+            await _consume_sse(response, rec)
+        rec.end = time.perf_counter()
+
+    async def close(self) -> None:
+        if self.id is not None:
+            # Best effort: keep the server's store from filling up with benchmark sessions.
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.http.delete(f"/v1/sessions/{self.id}")
+
+
+class WsSession:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.ws: Any = None
+        self.id: str | None = None
+
+    async def _connect(self) -> None:
+        import websockets
+
+        cfg = self.client.cfg
+        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+        self.ws = await websockets.connect(
+            ws_url(cfg.url), additional_headers=headers, open_timeout=cfg.connect_timeout_s, max_size=None
+        )
+        hello: dict[str, Any] = {"type": "hello"}
+        if cfg.persona:
+            hello["persona"] = cfg.persona
+        if cfg.api_key:
+            hello["api_key"] = cfg.api_key
+        await self.ws.send(json.dumps(hello))
+        while True:
+            frame = json.loads(await self.ws.recv())
+            if frame.get("type") == "error":
+                raise BenchError(f"server_{frame.get('code', 'error')}", str(frame.get("message", ""))[:300])
+            if frame.get("type") == "session":
+                self.id = frame.get("id") or frame.get("session_id")
+                return
+
+    async def send(self, content: str, rec: RequestRecord) -> None:
+        if self.ws is None:
+            await self._connect()
+        await self.ws.send(json.dumps({"type": "message", "content": content, **self.client.sampling()}))
+        while True:
+            frame = json.loads(await self.ws.recv())
+            if frame.get("type") in ("session", "ack", "ping", "pong", "user", "message.start", "start"):
+                continue
+            if handle_event(rec, frame):
+                break
+        rec.end = time.perf_counter()
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            with contextlib.suppress(TimeoutError, OSError):
+                await asyncio.wait_for(self.ws.close(), 5)
+            if self.id:
+                with contextlib.suppress(httpx.HTTPError):
+                    await self.client.http.delete(f"/v1/sessions/{self.id}")
