@@ -1,0 +1,125 @@
+"""Tokenizer wrapper: tiny byte-level tokenizer (unit) and the GGUF tokenizer against transformers (integration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+import engine.tokenizer as tokmod
+from engine.loader import default_model_path
+from engine.model.testing import make_tiny_tokenizer
+from engine.tokenizer import Tokenizer, gguf_tokenizer_dir
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nand newlines\n\n",
+    "Ünïcödé — “quotes”, 日本語, emoji 🤖👍🏽",
+    "def f(x):\n    return x ** 2  # code",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye 👋"}],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    d = tmp_path_factory.mktemp("tok")
+    make_tiny_tokenizer(d)
+    return Tokenizer.from_dir(d)
+
+
+def test_tiny_round_trip_and_eos(tiny: Tokenizer) -> None:
+    for text in TEXTS[:4]:
+        ids = tiny.encode(text)
+        assert all(0 <= i < tiny.vocab_size for i in ids)
+        assert tiny.decode(ids) == text
+    assert tiny.eos_token_ids == frozenset({tiny.hf.convert_tokens_to_ids("<|im_end|>")})
+
+
+def test_special_tokens_skipped_only_on_request(tiny: Tokenizer) -> None:
+    ids = tiny.encode(TEXTS[4])
+    assert tiny.hf.convert_tokens_to_ids("<|im_start|>") in ids
+    assert tiny.decode(ids, skip_special_tokens=False) == TEXTS[4]
+    assert tiny.decode(ids) == "user\nspecial tokens inline"
+
+
+def test_chat_template_renders_chatml(tiny: Tokenizer) -> None:
+    msgs = CONVERSATIONS[1]
+    with_prompt = tiny.apply_chat_template(msgs)
+    without = tiny.apply_chat_template(msgs, add_generation_prompt=False)
+    assert tiny.decode(without, skip_special_tokens=False) == "".join(
+        f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
+    assert with_prompt[: len(without)] == without
+    assert tiny.decode(with_prompt[len(without):], skip_special_tokens=False) == "<|im_start|>assistant\n"
+
+
+def test_missing_chat_template_is_a_value_error(tiny: Tokenizer) -> None:
+    bare = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=tiny.hf.backend_tokenizer))
+    with pytest.raises(ValueError, match="chat template"):
+        bare.apply_chat_template(CONVERSATIONS[0])
+
+
+def test_bad_tokenizer_dir_is_a_value_error(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load tokenizer"):
+        Tokenizer.from_dir(tmp_path)
+
+
+# ---- the default model's GGUF tokenizer ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, object, Path]:
+    """(ours, converted into a fresh cache dir; transformers' own GGUF tokenizer; the cache dir)."""
+    path = default_model_path()
+    cache = tmp_path_factory.mktemp("cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CHATSVC_CACHE_DIR", str(cache))
+    try:
+        ours = Tokenizer.from_gguf(path)
+    finally:
+        mp.undo()
+    ref = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return ours, ref, cache
+
+
+@pytest.mark.integration
+def test_gguf_tokenizer_matches_transformers(gguf_pair: tuple[Tokenizer, object, Path]) -> None:
+    ours, ref, _ = gguf_pair
+    assert ours.vocab_size == len(ref) == 49152  # type: ignore[arg-type]
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False)  # type: ignore[attr-defined]
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)  # type: ignore[attr-defined]
+    for msgs in CONVERSATIONS:
+        for gen in (True, False):
+            text = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # type: ignore[attr-defined]
+            assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == ref.encode(  # type: ignore[attr-defined]
+                text, add_special_tokens=False)
+    # The GGUF template adds SmolLM's default system prompt when none is given.
+    assert "You are a helpful AI assistant" in ours.decode(ours.apply_chat_template(CONVERSATIONS[0]))
+    assert ours.eos_token_ids == frozenset({ours.hf.convert_tokens_to_ids("<|im_end|>")})
+
+
+@pytest.mark.integration
+def test_gguf_tokenizer_conversion_is_cached(gguf_pair: tuple[Tokenizer, object, Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, cache = gguf_pair
+    monkeypatch.setenv("CHATSVC_CACHE_DIR", str(cache))
+    (converted,) = (cache / "tokenizers").iterdir()
+    assert (converted / "tokenizer.json").is_file()
+
+    class NoConversion:
+        @staticmethod
+        def from_pretrained(*args: object, **kwargs: object) -> None:
+            raise AssertionError("converted again despite the cache")
+
+    monkeypatch.setattr(tokmod, "AutoTokenizer", NoConversion)
+    assert gguf_tokenizer_dir(default_model_path()) == converted
