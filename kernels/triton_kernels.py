@@ -34,6 +34,11 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
+def _unit_last_stride(x: Tensor) -> Tensor:
+    """Kernels address the head dim as contiguous; other strides are passed through."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 # --------------------------------------------------------------------------------------------- cache write
 
 
@@ -80,7 +85,7 @@ def write_kv_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert key.stride(-1) == 1 and value.stride(-1) == 1, "head dim must be contiguous"
+    key, value = _unit_last_stride(key), _unit_last_stride(value)
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     slots = slot_mapping.to(device=key.device, dtype=torch.int64)
     _write_kv_kernel[(num_tokens,)](
@@ -114,9 +119,9 @@ def _decode_kernel(
     v_cache_ptr,
     block_tables_ptr,
     context_lens_ptr,
-    out_ptr,  # [B, Hq, D] when NUM_SPLITS == 1, else float32 [B, Hq, NUM_SPLITS, D] unnormalized
-    m_ptr,  # float32 [B, Hq, NUM_SPLITS]: running max (log2 domain) per split
-    l_ptr,  # float32 [B, Hq, NUM_SPLITS]: sum of exp2 per split
+    out_ptr,  # [B, Hq, D] unless SPLIT, else float32 [B, Hq, num_splits, D] unnormalized
+    m_ptr,  # float32 [B, Hq, num_splits]: running max (log2 domain) per split
+    l_ptr,  # float32 [B, Hq, num_splits]: sum of exp2 per split
     qk_scale,
     stride_qb,
     stride_qh,
@@ -131,7 +136,7 @@ def _decode_kernel(
     group,
     head_dim,
     partition_size,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # the split count is the grid's 3rd dim; a runtime value, so no recompiles
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -185,7 +190,7 @@ def _decode_kernel(
         m_i = m_new
 
     out_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         dst = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -193,21 +198,21 @@ def _decode_kernel(
         # An empty split (start >= context_len) stores m = -inf, l = 0, acc = 0: weight 0 in the reduction.
         dst = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + d[None, :]
         tl.store(dst, acc, mask=out_mask)
-        stat = (seq * tl.num_programs(1) * group + q_heads) * NUM_SPLITS + split
+        stat = (seq * tl.num_programs(1) * group + q_heads) * tl.num_programs(2) + split
         tl.store(m_ptr + stat, m_i, mask=g_mask)
         tl.store(l_ptr + stat, l_i, mask=g_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_ptr,  # float32 [B, Hq, NUM_SPLITS, D]
+    part_ptr,  # float32 [B, Hq, num_splits, D]
     m_ptr,
     l_ptr,
     out_ptr,
     stride_ob,
     stride_oh,
     head_dim,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -216,11 +221,11 @@ def _decode_reduce_kernel(
     row = seq * tl.num_programs(1) + head
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < NUM_SPLITS
-    m = tl.load(m_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
-    l_sum = tl.load(l_ptr + row * NUM_SPLITS + s, mask=s_mask, other=0.0)
+    s_mask = s < num_splits
+    m = tl.load(m_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
+    l_sum = tl.load(l_ptr + row * num_splits + s, mask=s_mask, other=0.0)
     part = tl.load(
-        part_ptr + (row * NUM_SPLITS + s[:, None]) * head_dim + d[None, :],
+        part_ptr + (row * num_splits + s[:, None]) * head_dim + d[None, :],
         mask=s_mask[:, None] & (d[None, :] < head_dim),
         other=0.0,
     )
@@ -244,7 +249,7 @@ def _choose_splits(query: Tensor, num_kv_heads: int, max_context_len: int, block
     programs = query.shape[0] * num_kv_heads
     wanted = math.ceil(2 * _num_sms(query.device.index or 0) / programs)
     by_length = math.ceil(max_context_len / max(256, block_n))
-    return max(1, min(wanted, by_length, 128))
+    return max(1, min(wanted, by_length, 64))
 
 
 def paged_attention_decode(
@@ -267,7 +272,8 @@ def paged_attention_decode(
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    query = _unit_last_stride(query)
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     if out is None:
         out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
@@ -281,7 +287,7 @@ def paged_attention_decode(
     partition = math.ceil(math.ceil(max_context_len / num_splits) / block_n) * block_n
     num_splits = max(1, math.ceil(max_context_len / partition))
     common = dict(
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         BLOCK_G=_pow2(group),
         BLOCK_N=block_n,
         BLOCK_D=_pow2(head_dim),
@@ -349,7 +355,7 @@ def paged_attention_decode(
         out.stride(0),
         out.stride(1),
         head_dim,
-        NUM_SPLITS=num_splits,
+        num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=_pow2(head_dim),
     )
@@ -457,7 +463,8 @@ def paged_attention_prefill(
     del max_context_len  # each program finds its own context length
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    query = _unit_last_stride(query)
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     if out is None:
         out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
     num_seqs = query_start_loc.shape[0] - 1

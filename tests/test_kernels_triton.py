@@ -170,6 +170,24 @@ def test_write_kv_cache_from_strided_qkv(gen: torch.Generator) -> None:
     tk.write_kv_cache(key, value, k_cache, v_cache, slots)
     reference.write_kv_cache(key, value, expected_k, expected_v, slots)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    # A head dim that is not contiguous is accepted too.
+    key_t = torch.randn(5, d, hkv, generator=gen).to(DEVICE).transpose(1, 2)
+    tk.write_kv_cache(key_t, value, k_cache, v_cache, slots)
+    reference.write_kv_cache(key_t, value, expected_k, expected_v, slots)
+    assert torch.equal(k_cache, expected_k)
+
+
+def test_decode_and_prefill_with_strided_query(gen: torch.Generator) -> None:
+    # Queries as a column slice of a fused QKV output: row stride larger than Hq * D.
+    p = make_problem([5, 40], [2, 3], block_size=16, group=2, head_dim=16, device=DEVICE, generator=gen)
+    fused = torch.randn(5, 2 * p.query[0].numel(), generator=gen).to(DEVICE)
+    p.query = fused[:, : p.query[0].numel()].view_as(p.query)
+    assert not p.query.is_contiguous()
+    _check(*_prefill_both(p))
+    # Decode: one (strided) query row per sequence; both implementations get the same rows.
+    p.query = fused[:2, : p.query[0].numel()].view(2, *p.query.shape[1:])
+    assert not p.query.is_contiguous()
+    _check(*_decode_both(p))
 
 
 def test_copy_blocks_matches_reference(gen: torch.Generator) -> None:
