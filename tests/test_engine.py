@@ -1,0 +1,184 @@
+"""LLMEngine on a tiny random model: sharing, preemption, seeds, stops, aborts, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import LLMEngine
+from engine.llm import LLM
+from engine.model.testing import make_tiny_model_dir
+from engine.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), arch="llama")
+
+
+def _llm(tiny_dir: Path, **kw: object) -> LLM:
+    kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("block_size", 4)
+    return LLM(model=str(tiny_dir), **kw)  # type: ignore[arg-type]
+
+
+PROMPTS = [
+    "Hello! How are you today?",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "what is the capital of France?",
+    "user assistant system",
+    "0123456789 " * 5,
+]
+
+
+def _hf_greedy(tiny_dir: Path, ids: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                         pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_matches_transformers_batched_and_alone(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batched = llm.generate(PROMPTS, params)
+    alone = [llm.generate([p], params)[0] for p in PROMPTS]
+    for p, b, a in zip(PROMPTS, batched, alone, strict=True):
+        ids = llm.tokenizer.encode(p)
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].token_ids == _hf_greedy(tiny_dir, ids, 12)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_greedy_output(tiny_dir: Path, mode: str) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = _llm(tiny_dir).generate(PROMPTS, params)
+    small = _llm(tiny_dir, num_kv_blocks=32, max_model_len=128, preemption_mode=mode, max_num_batched_tokens=64)
+    outs = small.generate(PROMPTS, params)
+    stats = small.stats()
+    assert stats[f"preemptions_{mode}"] > 0, stats
+    for r, o in zip(reference, outs, strict=True):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["cpu_blocks_free"] == stats["cpu_blocks_total"]
+
+
+def test_prefix_caching_on_and_off_agree_and_second_run_hits(tiny_dir: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    off = _llm(tiny_dir, enable_prefix_caching=False).generate(PROMPTS, params)
+    llm = _llm(tiny_dir)
+    first = llm.generate(PROMPTS, params)
+    before = llm.stats()["prefix_cache_hit_tokens"]
+    second = llm.generate(PROMPTS, params)
+    hits = llm.stats()["prefix_cache_hit_tokens"] - before
+    full_blocks = sum((len(llm.tokenizer.encode(p)) - 1) // 4 * 4 for p in PROMPTS)
+    assert hits == full_blocks
+    for a, b, c in zip(off, first, second, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+
+
+def test_n_samples_share_prompt_blocks(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir)
+    eng = llm.engine
+    prompt = "The quick brown fox jumps over the lazy dog. " * 2
+    group = eng.add_request("n3", SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=1), prompt=prompt)
+    eng.step()  # prefill, fork into 3, first token each
+    assert len(group.seqs) == 3
+    tables = [eng.block_manager.block_table(s) for s in group.seqs]
+    num_prompt_full = group.num_prompt_tokens // 4
+    for t in tables[1:]:
+        assert t[:num_prompt_full] == tables[0][:num_prompt_full]
+    for b in tables[0][:num_prompt_full]:
+        assert eng.block_manager.device.blocks[b].ref_count == 3
+    used = eng.stats()["kv_blocks_total"] - eng.stats()["kv_blocks_free"]
+    separate = 3 * len(tables[0])
+    assert used < separate
+    while eng.has_unfinished():
+        eng.step()
+    out = LLMEngine.request_output(group)
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in out.outputs)
+    assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+
+
+def test_seed_reproduces_regardless_of_batch(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir)
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], seeded)[0].outputs[0].token_ids
+    mixed = llm.generate(PROMPTS, [seeded] + [SamplingParams(temperature=1.0, max_tokens=10)] * 4)
+    assert mixed[0].outputs[0].token_ids == alone
+    other = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=10, seed=99, ignore_eos=True))
+    assert other[0].outputs[0].token_ids != alone
+
+
+def test_stop_string_is_honoured(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir)
+    free = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    text = free.outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    stopped = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=20, stop=[stop],
+                                                        ignore_eos=True))[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop
+    assert stop not in stopped.text
+    assert text.startswith(stopped.text)
+
+
+def test_abort_frees_every_block(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"a{i}", SamplingParams(n=2, max_tokens=50), prompt=p)
+    for _ in range(3):
+        eng.step()
+    assert eng.stats()["kv_blocks_free"] < eng.stats()["kv_blocks_total"]
+    for i in range(len(PROMPTS)):
+        deltas = eng.abort_request(f"a{i}")
+        assert deltas and all(d.finish_reason == "abort" for d in deltas)
+        assert deltas[-1].request_finished
+    assert not eng.has_unfinished()
+    eng.block_manager.check_invariants()
+    assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+    ],
+)
+def test_bad_sampling_params_raise_naming_the_field(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_requests_change_nothing(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir, max_model_len=64)
+    eng = llm.engine
+    before = eng.stats()
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["ok", "word " * 200], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(prompt_token_ids=[[]], sampling_params=SamplingParams())
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate(prompt_token_ids=[[10**9]], sampling_params=SamplingParams())
+    assert eng.stats() == before
+    assert not eng.has_unfinished()
+
+
+def test_unknown_model_and_corrupt_gguf(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        LLM(model=str(tmp_path / "nope"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError):
+        LLM(model=str(bad))
