@@ -87,6 +87,6 @@ export function describeError(err) {
     return `The server is busy (${msg || "too many requests"}). Try again in a moment.`;
   if (status === 0 || code === "unreachable") return "The server cannot be reached. Retrying…";
   if (status === 400 || status === 422 || /invalid/i.test(code)) return `Invalid request: ${msg}`;
-  if (status === 404) return `Not found: ${msg}`;
+  if (status === 404 || /not_found/.test(code)) return `Not found: ${msg}`;
   return msg ? `Error${code ? ` (${code})` : ""}: ${msg}` : `Error ${code}`;
 }

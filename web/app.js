@@ -14,7 +14,7 @@ const state = {
   sessionId: null,
   persona: null,
   historyShown: false,
-  reply: null, // the assistant message being streamed: {node, text, tSend, tFirst, deltas}
+  reply: null, // the assistant message being streamed: {node, text, tSend, tFirst, tokens}
   stopRequested: false,
 };
 
@@ -144,7 +144,8 @@ function renderHistory(messages) {
       const parts = [];
       if (m.tokens != null) parts.push(`${m.tokens} tokens`);
       if (m.finish_reason) parts.push(finishLabel(m.finish_reason));
-      if (m.created_at != null) parts.push(formatTime(m.created_at));
+      const when = m.created ?? m.created_at;
+      if (when != null) parts.push(formatTime(when));
       setMeta(node, parts.join(" · "));
       markFinish(node, m.finish_reason);
     }
@@ -216,7 +217,7 @@ function queueRender() {
 function liveMeta(r) {
   const parts = [];
   if (r.tFirst) parts.push(`TTFT ${fmtSeconds(r.tFirst - r.tSend)}`);
-  parts.push(`${r.deltas} chunks…`);
+  parts.push(`${r.tokens} tokens…`);
   return parts.join(" · ");
 }
 
@@ -242,13 +243,9 @@ function send() {
   }
   hideBanner();
   addMessage("user", text);
-  const node = addMessage("assistant", "");
-  node.classList.add("streaming");
-  state.reply = { node, text: "", tSend: performance.now(), tFirst: 0, deltas: 0 };
-  state.stopRequested = false;
+  startReplyNode();
   socket.sendMessage(text, readOptions());
   input.value = "";
-  setStreaming(true);
   scrollDown(true);
 }
 
@@ -290,7 +287,22 @@ function onSession(frame) {
     state.historyShown = true;
     if (Array.isArray(frame.messages)) renderHistory(frame.messages);
     else loadHistoryOverRest();
+    // A reply is still being generated (e.g. the page was reloaded mid-reply): follow it from its start.
+    if (frame.busy && !state.reply) {
+      startReplyNode();
+      socket.inFlight = true;
+      socket.sendRaw({ type: "resume" });
+    }
   }
+}
+
+function startReplyNode() {
+  const node = addMessage("assistant", "");
+  node.classList.add("streaming");
+  state.reply = { node, text: "", tSend: performance.now(), tFirst: 0, tokens: 0 };
+  state.stopRequested = false;
+  setStreaming(true);
+  return state.reply;
 }
 
 async function loadHistoryOverRest() {
@@ -304,17 +316,11 @@ async function loadHistoryOverRest() {
 }
 
 function onDelta(frame) {
-  let r = state.reply;
-  if (!r) {
-    // A reply we did not start here (e.g. resumed after a reload): show it anyway.
-    const node = addMessage("assistant", "");
-    node.classList.add("streaming");
-    r = state.reply = { node, text: "", tSend: performance.now(), tFirst: 0, deltas: 0 };
-    setStreaming(true);
-  }
+  // A reply this page did not start (another tab of the session, say) is shown all the same.
+  const r = state.reply || startReplyNode();
   if (!r.tFirst) r.tFirst = performance.now();
   r.text += frame.text || "";
-  r.deltas += 1;
+  r.tokens += frame.tokens ?? 1;
   queueRender();
 }
 
@@ -323,7 +329,7 @@ function onDone(frame) {
   if (!r) return;
   const now = performance.now();
   const usage = frame.usage || {};
-  const completion = usage.completion_tokens ?? r.deltas;
+  const completion = usage.completion_tokens ?? r.tokens;
   setBody(r.node, r.text);
   const parts = [];
   if (r.tFirst) {
@@ -345,6 +351,14 @@ function onDone(frame) {
 
 function onError(frame) {
   const r = state.reply;
+  if (frame.code === "stream_not_found" && r) {
+    // The reply ended (and its event stream expired) while we were away; it is in the history.
+    r.node.remove();
+    state.reply = null;
+    setStreaming(false);
+    loadHistoryOverRest();
+    return;
+  }
   if (r) {
     r.node.classList.remove("streaming");
     r.node.classList.add("failed");
@@ -496,7 +510,9 @@ function wire() {
     }
   });
   document.addEventListener("keydown", (ev) => {
-    if (ev.key === "Escape" && state.reply) stop();
+    if (ev.key !== "Escape") return;
+    if (document.body.classList.contains("sidebar-open")) toggleSidebar(false);
+    else if (state.reply) stop();
   });
   $("#stop").addEventListener("click", stop);
   $("#new-chat").addEventListener("click", showPicker);

@@ -9,7 +9,7 @@ const LABELS = {
   cached: "cached (free, reusable prefix)",
   used: "used by one sequence",
   shared: "shared (refcount > 1)",
-  pinned: "pinned (persona prompt)",
+  pinned: "pinned persona prompt",
   swapped: "swapped to CPU",
 };
 // When a cell stands for several blocks it takes the colour of its "busiest" block.
@@ -103,12 +103,17 @@ export class MemoryView {
     const s = this.snapshot;
     if (!s) return;
     const counts = Object.fromEntries(STATES.map((k) => [k, 0]));
-    for (const st of s.state || []) counts[st] = (counts[st] || 0) + 1;
+    const states = s.state || [];
+    states.forEach((st, i) => {
+      counts[st] = (counts[st] || 0) + 1;
+      // A pinned persona block that sequences are reading is shared as well: count it in both rows.
+      if (st === "pinned" && (s.refcounts?.[i] ?? 0) > 1) counts.shared += 1;
+    });
     counts.swapped = s.cpu_used ?? (s.cpu_blocks_total ?? 0) - (s.cpu_blocks_free ?? 0);
     for (const k of STATES) this.root.querySelector(`[data-count="${k}"]`).textContent = String(counts[k]);
     const queried = s.prefix_cache_queried_tokens || 0;
     const hit = s.prefix_cache_hit_tokens || 0;
-    const mine = s.session_blocks || [];
+    const mine = sessionBlocks(s);
     const set = (name, value) => (this.root.querySelector(`[data-stat="${name}"]`).textContent = value);
     set("blocks", `${s.num_blocks ?? s.kv_blocks_total} × ${s.block_size} tokens`);
     set("hit", queried ? `${((100 * hit) / queried).toFixed(1)}% (${hit}/${queried} tokens)` : "–");
@@ -125,13 +130,13 @@ export class MemoryView {
     const s = this.snapshot;
     if (!s) return;
     const states = s.state || [];
-    this.layout = drawGrid(this.canvas, states, new Set(s.session_blocks || []));
+    this.layout = drawGrid(this.canvas, states, s.refcounts || [], new Set(sessionBlocks(s)));
     const cpuTotal = s.cpu_blocks_total ?? 0;
     const cpuUsed = Math.min(cpuTotal, s.cpu_used ?? cpuTotal - (s.cpu_blocks_free ?? cpuTotal));
     this.cpuCanvas.hidden = cpuTotal === 0;
     if (cpuTotal) {
       const cpuStates = Array.from({ length: cpuTotal }, (_, i) => (i < cpuUsed ? "swapped" : "free"));
-      drawGrid(this.cpuCanvas, cpuStates, new Set());
+      drawGrid(this.cpuCanvas, cpuStates, [], new Set(), 40); // secondary: kept small
     }
   }
 
@@ -157,13 +162,23 @@ export class MemoryView {
   }
 }
 
-// Lays cells out to fill the canvas width; returns the geometry for hit-testing.
-function drawGrid(canvas, states, highlight) {
+// The blocks this session's reply holds plus its persona's pinned prompt blocks, which it shares.
+function sessionBlocks(s) {
+  if (Array.isArray(s.session_blocks)) return s.session_blocks;
+  const own = s.session?.blocks || [];
+  const persona = s.session?.persona_blocks || [];
+  return [...new Set([...own, ...persona])];
+}
+
+// Lays cells out to fill the canvas width; returns the geometry for hit-testing. Cells of blocks
+// held by several sequences show their refcount; a pinned block in use is drawn shared with a
+// pinned frame, since that is the point of pinning a persona prompt.
+function drawGrid(canvas, states, refcounts, highlight, height = 220) {
   const n = states.length;
   const group = Math.max(1, Math.ceil(n / MAX_CELLS));
   const cells = Math.ceil(n / group);
   const width = canvas.clientWidth || 300;
-  const pitch = Math.max(4, Math.min(18, Math.floor(Math.sqrt((width * 220) / Math.max(cells, 1)))));
+  const pitch = Math.max(4, Math.min(18, Math.floor(Math.sqrt((width * height) / Math.max(cells, 1)))));
   const cols = Math.max(1, Math.floor(width / pitch));
   const rows = Math.ceil(cells / cols);
   const dpr = window.devicePixelRatio || 1;
@@ -174,21 +189,42 @@ function drawGrid(canvas, states, highlight) {
   ctx.scale(dpr, dpr);
   const colors = stateColors(canvas);
   const gap = pitch >= 8 ? 2 : 1;
+  const size = pitch - gap;
+  ctx.font = `${Math.floor(size * 0.7)}px system-ui, sans-serif`;
+  ctx.textAlign = "center";
+  ctx.textBaseline = "middle";
   for (let c = 0; c < cells; c++) {
     let state = "free";
     let mine = false;
+    let refs = 0;
     for (let b = c * group; b < Math.min(n, (c + 1) * group); b++) {
       if (PRIORITY[states[b]] > PRIORITY[state]) state = states[b];
+      refs = Math.max(refs, refcounts[b] ?? 0);
       mine ||= highlight.has(b);
     }
     const x = (c % cols) * pitch;
     const y = Math.floor(c / cols) * pitch;
-    ctx.fillStyle = colors[state] || colors.free;
-    ctx.fillRect(x, y, pitch - gap, pitch - gap);
+    const pinnedInUse = state === "pinned" && refs > 1;
+    ctx.fillStyle = colors[pinnedInUse ? "shared" : state] || colors.free;
+    ctx.fillRect(x, y, size, size);
+    if (pinnedInUse) {
+      ctx.strokeStyle = colors.pinned;
+      ctx.lineWidth = Math.max(1, size / 5);
+      ctx.strokeRect(x + ctx.lineWidth / 2, y + ctx.lineWidth / 2, size - ctx.lineWidth, size - ctx.lineWidth);
+    }
+    if (refs > 1 && size >= 12 && group === 1) {
+      ctx.fillStyle = "#000";
+      ctx.fillText(String(refs), x + size / 2, y + size / 2 + 0.5);
+    }
     if (mine) {
-      ctx.strokeStyle = colors.highlight;
-      ctx.lineWidth = Math.max(1.5, pitch / 6);
-      ctx.strokeRect(x + 1, y + 1, pitch - gap - 2, pitch - gap - 2);
+      // A corner mark, so it stays visible on top of any fill or frame.
+      ctx.fillStyle = colors.highlight;
+      ctx.beginPath();
+      ctx.moveTo(x, y);
+      ctx.lineTo(x + size * 0.55, y);
+      ctx.lineTo(x, y + size * 0.55);
+      ctx.closePath();
+      ctx.fill();
     }
   }
   return { group, cells, cols, pitch };

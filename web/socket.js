@@ -16,6 +16,7 @@ export class ChatSocket {
     this.inFlight = false; // a reply is streaming (or was when the socket dropped)
     this.lastId = null; // id of the last delta applied
     this.resuming = false;
+    this.opened = 0; // sockets opened so far (shown nowhere; tests and debugging read it)
   }
 
   connect(sessionId) {
@@ -33,6 +34,7 @@ export class ChatSocket {
     this.ws = ws;
     this.handlers.onState(this.attempt ? "reconnecting" : "connecting", this.attempt);
     ws.onopen = () => {
+      this.opened += 1;
       const hello = { type: "hello", session_id: this.sessionId };
       const key = getApiKey();
       if (key) hello.api_key = key;
