@@ -1,0 +1,132 @@
+"""BlockPool: refcounts, free lists, eviction order and the verified hash index (no torch, no model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from engine.block_pool import BlockPool, hash_block
+
+
+def _cache_and_free(pool: BlockPool, block_id: int, tokens: tuple[int, ...], parent: bytes | None = None) -> bytes:
+    """Register an allocated block under the hash of ``tokens`` and release it into the cached free list."""
+    block_hash = hash_block(parent, tokens)
+    pool.cache(block_id, block_hash, tokens)
+    pool.decref(block_id)
+    return block_hash
+
+
+def _check(pool: BlockPool) -> None:
+    free = pool.free_block_ids()
+    held = {b.block_id for b in pool.blocks if b.ref_count > 0}
+    assert free | held == set(range(pool.num_blocks))
+    assert not free & held
+    assert pool.num_free == len(free)
+
+
+def test_import_does_not_pull_torch() -> None:
+    code = "import sys, engine.block_pool; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_allocate_all_then_exhausted() -> None:
+    pool = BlockPool(3)
+    ids = {pool.allocate().block_id for _ in range(3)}
+    assert ids == {0, 1, 2}
+    assert pool.num_free == 0
+    with pytest.raises(RuntimeError):
+        pool.allocate()
+    _check(pool)
+
+
+def test_refcount_and_double_free() -> None:
+    pool = BlockPool(2)
+    block = pool.allocate()
+    pool.incref(block.block_id)
+    assert block.ref_count == 2
+    pool.decref(block.block_id)
+    assert pool.num_free == 1  # still held once
+    pool.decref(block.block_id)
+    assert pool.num_free == 2
+    with pytest.raises(RuntimeError):
+        pool.decref(block.block_id)
+    _check(pool)
+
+
+def test_uncached_free_blocks_are_taken_before_cached_ones() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate().block_id, pool.allocate().block_id
+    h = _cache_and_free(pool, a, (1, 2))
+    pool.decref(b)  # uncached
+    assert pool.num_cached_free == 1
+    taken = [pool.allocate().block_id for _ in range(3)]
+    assert a not in taken, "a cached block was evicted while uncached ones were free"
+    assert pool.lookup(h, (1, 2)) == a
+    assert pool.allocate().block_id == a  # only now is it evicted
+    assert pool.lookup(h, (1, 2)) is None
+    assert not pool.is_cached(a)
+    _check(pool)
+
+
+def test_cached_blocks_evicted_least_recently_freed_first() -> None:
+    pool = BlockPool(3)
+    ids = [pool.allocate().block_id for _ in range(3)]
+    hashes = {}
+    for block_id in (ids[2], ids[0], ids[1]):  # free order defines recency
+        hashes[block_id] = _cache_and_free(pool, block_id, (block_id, 7))
+    # Re-using ids[2] through a hit and freeing it again makes it the most recent.
+    assert pool.lookup(hashes[ids[2]], (ids[2], 7)) == ids[2]
+    pool.incref(ids[2])
+    pool.decref(ids[2])
+    order = [pool.allocate().block_id for _ in range(3)]
+    assert order == [ids[0], ids[1], ids[2]]
+    assert all(pool.lookup(h, (b, 7)) is None for b, h in hashes.items())
+    _check(pool)
+
+
+def test_hit_takes_a_cached_block_off_the_free_list() -> None:
+    pool = BlockPool(2)
+    a = pool.allocate().block_id
+    h = _cache_and_free(pool, a, (5,))
+    hit = pool.lookup(h, (5,))
+    assert hit == a
+    pool.incref(a)
+    assert pool.num_free == 1 and a not in pool.free_block_ids()
+    # With the cached block held, allocation must not hand it out.
+    assert pool.allocate().block_id != a
+    _check(pool)
+
+
+def test_lookup_verifies_tokens_not_only_the_digest() -> None:
+    pool = BlockPool(2)
+    a = pool.allocate().block_id
+    forged = b"\x01" * 16  # pretend two different blocks collided on this digest
+    pool.cache(a, forged, (1, 2, 3))
+    assert pool.lookup(forged, (1, 2, 3)) == a
+    assert pool.lookup(forged, (1, 2, 4)) is None
+
+
+def test_chained_hash_depends_on_parent_and_extra_key() -> None:
+    tokens = (4, 5, 6)
+    root = hash_block(None, tokens)
+    assert hash_block(None, tokens) == root
+    assert hash_block(hash_block(None, (1, 2, 3)), tokens) != root
+    assert hash_block(None, tokens, b"lora-1") != root
+    assert hash_block(None, (4, 5, 7)) != root
+
+
+def test_first_registration_wins_and_caching_can_be_disabled() -> None:
+    pool = BlockPool(3)
+    a, b = pool.allocate().block_id, pool.allocate().block_id
+    h = hash_block(None, (9,))
+    pool.cache(a, h, (9,))
+    pool.cache(b, h, (9,))
+    assert pool.lookup(h, (9,)) == a and not pool.is_cached(b)
+    off = BlockPool(2, enable_caching=False)
+    c = off.allocate().block_id
+    off.cache(c, h, (9,))
+    assert off.lookup(h, (9,)) is None
+    off.decref(c)
+    assert off.num_cached_free == 0 and off.num_free == 2
