@@ -16,9 +16,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from engine.model import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_alias, get_model_class
+from engine.model.llama import LlamaForCausalLM
 from engine.tokenizer import Tokenizer
 from kernels import get_backend
 
@@ -30,7 +31,7 @@ _DEFAULT_ALIASES = {None, "", "default", "smollm2", DEFAULT_MODEL_NAME.lower(),
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: LlamaForCausalLM
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
@@ -76,7 +77,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     backend = get_backend(attention_backend, device)
     net = get_model_class(config.architecture)(config, backend, device="meta", dtype=dtype, rope_device=device)
     net.to_empty(device=device)
-    net.load_weights(weights)  # type: ignore[operator]
+    net.load_weights(weights)
     net.requires_grad_(False)
     net.eval()
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from torch import nn
+    from engine.model.llama import LlamaForCausalLM
 
 # HF `architectures` / `model_type` names and GGUF `general.architecture` values -> our family name.
 _ARCH_ALIASES: dict[str, str] = {
@@ -117,10 +117,11 @@ def architecture_alias(name: str) -> str | None:
     return _ARCH_ALIASES.get(name)
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    # Imported here: the model modules import this one for ModelConfig.
     from engine.model.llama import LlamaForCausalLM
 
-    registry: dict[str, type[nn.Module]] = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+    registry: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
     if architecture not in registry:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(registry)}")
     return registry[architecture]

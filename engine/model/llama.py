@@ -67,13 +67,13 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: weights are loaded with to_empty(), which would wipe buffers.
         self.cos = angles.cos().to(device=device, dtype=dtype)
         self.sin = angles.sin().to(device=device, dtype=dtype)
-        self.half = head_dim // 2
+        self.half_dim = head_dim // 2
 
     def forward(self, positions: Tensor, x: Tensor) -> Tensor:
         """x [T, H, D] -> rotated copy (contiguous)."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x[..., : self.half], x[..., self.half :]
+        x1, x2 = x[..., : self.half_dim], x[..., self.half_dim :]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
