@@ -46,6 +46,8 @@ class Connection:
 
     async def handle(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
+        if kind not in ("hello", "message", "cancel", "resume"):
+            raise APIError(400, f"unknown frame type {kind!r}", code="invalid_frame", param="type")
         if kind == "hello":
             await self.hello(frame)
             return
@@ -75,8 +77,6 @@ class Connection:
             if at is None and not await self.gw.store.stream_exists(self.meta.id, turn):
                 raise APIError(404, "no reply to resume", code="stream_not_found")
             self._follow(at, turn, stream_after)
-        else:
-            raise APIError(400, f"unknown frame type {kind!r}", code="invalid_frame", param="type")
 
     async def hello(self, frame: dict[str, Any]) -> None:
         if self.owner is None:

@@ -18,7 +18,7 @@ def test_embedded_redis_persists_across_restarts(tmp_path: Path) -> None:
         assert server.proc is not None
         pid = server.proc.pid
         redis.Redis(unix_socket_path=str(server.socket_path)).set("k", "v")
-    assert not pid_alive(pid) or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert not pid_alive(pid) or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
     assert any(p.name.startswith("appendonly") for p in data.iterdir())
     with EmbeddedRedis(data) as server:
         assert redis.Redis(unix_socket_path=str(server.socket_path)).get("k") == b"v"
