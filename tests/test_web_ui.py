@@ -181,6 +181,37 @@ def stored_messages(server: Server, sid: str) -> list[dict[str, Any]]:
     return list(server.api("GET", f"/v1/sessions/{sid}")["messages"])
 
 
+def test_client_modules(open_tab: Callable[..., Tab]) -> None:
+    """The page's helpers on inputs the live server rarely produces: stale or replayed event ids,
+    each kind of error, Markdown cut off mid-stream."""
+    page = open_tab().page
+    out = page.evaluate("""async () => {
+        const { isAfter } = await import('/socket.js');
+        const { describeError } = await import('/api.js');
+        const { renderMarkdown } = await import('/markdown.js');
+        const div = document.createElement('div');
+        div.append(renderMarkdown('intro\\n\\n3. x\\n4. y\\n\\n```js\\nlet a = "<b>";'));
+        return {
+            after: [isAfter('3:1700-5', '3:1700-4'), isAfter('3:1699-9', '3:1700-0'), isAfter('3:1700-4', '3:1700-4'),
+                    isAfter('4:1-0', '3:1700-9'), isAfter('3:1700-9', '4:1-0')],
+            errors: [describeError({status: 429, message: 'slow down'}), describeError({code: 'queue_full', message: 'x'}),
+                     describeError({code: 'invalid_api_key', message: 'invalid API key'}),
+                     describeError({status: 0, code: 'unreachable'}),
+                     describeError({code: 'invalid_value', message: 'temperature: too high'})],
+            html: div.innerHTML,
+        };
+    }""")
+    assert out["after"] == [True, False, False, True, False]
+    busy, queue, key, gone, invalid = out["errors"]
+    assert "busy" in busy and "slow down" in busy and "busy" in queue
+    assert "API key" in key and "Not authorized" in key
+    assert "cannot be reached" in gone
+    assert invalid == "Invalid request: temperature: too high"
+    # the fence is still open (the reply is streaming): its text is code, escaped, not markup
+    assert out["html"] == ('<p>intro</p><ol start="3"><li>x</li><li>y</li></ol>'
+                           '<pre><code data-lang="js">let a = "&lt;b&gt;";</code></pre>')
+
+
 def test_api_key_is_asked_once_and_kept(open_tab: Callable[..., Tab], server: Server) -> None:
     tab = open_tab(key=False)
     page = tab.page
@@ -241,6 +272,8 @@ def test_reply_streams_then_history_survives_reload(open_tab: Callable[..., Tab]
     # a second, longer turn, so the screenshot shows a conversation
     page.click("#options summary")
     page.fill("#opt-max-tokens", "64")
+    page.fill("#opt-temperature", "0.8")
+    page.click("#options summary")
     send(page, "Tell me about your crew in a short list.")
     wait_reply_done(page)
     DOCS.mkdir(exist_ok=True)

@@ -41,6 +41,11 @@ async function loadPersonas() {
     const desc = document.createElement("span");
     desc.textContent = p.description || "";
     btn.append(name, desc);
+    if (p.pinned_tokens) {
+      const pinned = document.createElement("small");
+      pinned.textContent = `${p.pinned_tokens} prompt tokens pinned in the KV cache, shared by its chats`;
+      btn.append(pinned);
+    }
     btn.addEventListener("click", () => newSession(p.name));
     li.append(btn);
     list.append(li);
@@ -123,7 +128,7 @@ function showPicker() {
   $("#messages").hidden = true;
   $("#composer").hidden = true;
   $("#chat-title").textContent = "Choose a persona";
-  $("#chat-sub").textContent = "Each persona has its own system prompt; its KV blocks are shared by all its chats.";
+  $("#chat-sub").textContent = "Each persona has its own system prompt, computed once and shared by all its chats.";
   closeSidebarOnPhone();
 }
 

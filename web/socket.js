@@ -119,14 +119,14 @@ export class ChatSocket {
   }
 }
 
-// Delta ids are Redis stream ids ("<ms>-<seq>"), plain numbers, or strings ending in a counter.
+// Delta ids look like "<turn>:<ms>-<seq>" (turn number and Redis stream id); any id is compared
+// as its run of numbers when both ids have the same shape, else they only need to differ.
 export function isAfter(id, last) {
   const a = idKey(id);
   const b = idKey(last);
-  if (a && b && a.prefix === b.prefix) {
-    for (let i = 0; i < Math.max(a.nums.length, b.nums.length); i++) {
-      const d = (a.nums[i] ?? 0) - (b.nums[i] ?? 0);
-      if (d !== 0) return d > 0;
+  if (a.shape === b.shape && a.nums.length) {
+    for (let i = 0; i < a.nums.length; i++) {
+      if (a.nums[i] !== b.nums[i]) return a.nums[i] > b.nums[i];
     }
     return false;
   }
@@ -134,6 +134,6 @@ export function isAfter(id, last) {
 }
 
 function idKey(id) {
-  const m = /^(.*?)(\d+(?:-\d+)?)$/.exec(String(id));
-  return m ? { prefix: m[1], nums: m[2].split("-").map(Number) } : null;
+  const s = String(id);
+  return { shape: s.replace(/\d+/g, "#"), nums: (s.match(/\d+/g) || []).map(Number) };
 }
