@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +48,12 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_path(model: str | None) -> Path:
-    if model is None or model.lower() in _DEFAULT_ALIASES:
+def _is_default(model: str | os.PathLike[str] | None) -> bool:
+    return model is None or (isinstance(model, str) and model.lower() in _DEFAULT_ALIASES)
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
+    if model is None or _is_default(model):
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
@@ -56,7 +61,7 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
                attention_backend: str = "auto") -> LoadedModel:
     """Load a supported model; ValueError says what is wrong with an unusable path or file."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -65,7 +70,7 @@ def load_model(model: str | None = None, dtype: torch.dtype = torch.float32, dev
     if path.is_dir():
         config, weights, tokenizer = _open_hf_dir(path)
     elif path.suffix == ".gguf" or _has_gguf_magic(path):
-        config, weights, tokenizer = _open_gguf(path, default=model is None or model.lower() in _DEFAULT_ALIASES)
+        config, weights, tokenizer = _open_gguf(path, default=_is_default(model))
     else:
         raise ValueError(f"unsupported model file {path}: expected an HF directory or a .gguf file")
 

@@ -47,7 +47,11 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf_path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
-        return cls.from_dir(gguf_tokenizer_dir(gguf_path), extra_eos_ids)
+        try:
+            return cls.from_dir(gguf_tokenizer_dir(gguf_path), extra_eos_ids)
+        except OSError:
+            # Cache not writable (read-only home, full disk): convert in memory every time instead.
+            return cls(_convert_gguf_tokenizer(Path(gguf_path).resolve()), extra_eos_ids)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
@@ -76,10 +80,7 @@ def gguf_tokenizer_dir(gguf_path: str | Path) -> Path:
     if (target / "tokenizer.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:
-        raise ValueError(f"cannot read the tokenizer from GGUF file {path}: {e}") from e
+    hf = _convert_gguf_tokenizer(path)
     # Written to a temporary sibling and renamed, so concurrent processes never see half a directory.
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
@@ -91,3 +92,13 @@ def gguf_tokenizer_dir(gguf_path: str | Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _convert_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise ValueError(f"cannot read the tokenizer from GGUF file {path}: {e}") from e
+    if not isinstance(hf, PreTrainedTokenizerFast):
+        raise ValueError(f"tokenizer in GGUF file {path} did not convert to a fast tokenizer")
+    return hf

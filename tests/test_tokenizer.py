@@ -123,3 +123,21 @@ def test_gguf_tokenizer_conversion_is_cached(gguf_pair: tuple[Tokenizer, object,
 
     monkeypatch.setattr(tokmod, "AutoTokenizer", NoConversion)
     assert gguf_tokenizer_dir(default_model_path()) == converted
+
+
+def test_unwritable_cache_falls_back_to_in_memory_conversion(tiny: Tokenizer, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    def unwritable(path: object) -> Path:
+        raise PermissionError("read-only cache")
+
+    converted: list[Path] = []
+
+    def convert(path: Path) -> object:
+        converted.append(path)
+        return tiny.hf
+
+    monkeypatch.setattr(tokmod, "gguf_tokenizer_dir", unwritable)
+    monkeypatch.setattr(tokmod, "_convert_gguf_tokenizer", convert)
+    tok = Tokenizer.from_gguf(tmp_path / "model.gguf", extra_eos_ids=[0])
+    assert converted == [(tmp_path / "model.gguf").resolve()]
+    assert tok.hf is tiny.hf and tok.eos_token_ids == tiny.eos_token_ids | {0}

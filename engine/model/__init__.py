@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 _ARCH_ALIASES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "llama": "llama",
-    "MistralForCausalLM": "llama",
-    "mistral": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "qwen2": "qwen2",
 }
