@@ -52,6 +52,8 @@ def build_app(state: FakeState) -> Starlette:
         return JSONResponse({"error": {"message": "bad key", "type": "auth", "code": "unauthorized"}}, 401)
 
     async def models(request: Request) -> Response:
+        if not authorized(request.headers):
+            return unauthorized()
         return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def chat(request: Request) -> Response:

@@ -99,6 +99,8 @@ class HFTokenizer:
 def load_tokenizer(spec: str | None = None) -> HFTokenizer:
     """``spec``: an HF directory, a ``.gguf`` file, or None for the default model's GGUF. Slow (seconds):
     call only when a count is needed."""
+    if spec is not None and not Path(spec).exists():
+        raise FileNotFoundError(f"tokenizer {spec!r} not found (a local HF directory or .gguf file)")
     from transformers import AutoTokenizer  # lazy: heavy import, not needed when the server reports usage
 
     if spec is None:

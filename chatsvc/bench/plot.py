@@ -43,11 +43,14 @@ def plot_run(records: list[RequestRecord], t0: float, path: str | Path, title: s
         ax.set_ylabel("fraction of requests" if "ITL" not in label else "fraction of gaps")
         ax.grid(alpha=0.3)
     ax = axes.flat[4]
-    timeline = throughput_timeline(done, t0)
+    # About 40 bins over the run, at least 0.1 s each, so short and long runs both show a shape.
+    span = max((t - t0 for r in done for t in r.delta_times), default=1.0)
+    bin_s = max(0.1, span / 40)
+    timeline = throughput_timeline(done, t0, bin_s)
     if timeline:
-        ax.plot([t for t, _ in timeline], [v for _, v in timeline])
+        ax.step([t for t, _ in timeline], [v for _, v in timeline], where="mid")
     ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("output tokens / s")
+    ax.set_ylabel(f"output tokens / s ({bin_s:.2g} s bins)")
     ax.grid(alpha=0.3)
     ax = axes.flat[5]
     starts = sorted(r.start - t0 for r in records)
