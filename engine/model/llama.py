@@ -69,10 +69,12 @@ class RotaryEmbedding(nn.Module):
         self.sin = angles.sin().to(device=device, dtype=dtype)
         self.half_dim = head_dim // 2
 
-    def forward(self, positions: Tensor, x: Tensor) -> Tensor:
+    def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, 1, D/2] for the step's positions: gathered once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [T, H, D] -> rotated copy (contiguous)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
         x1, x2 = x[..., : self.half_dim], x[..., self.half_dim :]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -88,13 +90,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias, device=device, dtype=dtype)
         self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
-    def forward(self, positions: Tensor, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                rope: RotaryEmbedding) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
+                cos: Tensor, sin: Tensor) -> Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # Q and K are rotated together (one set of elementwise ops per layer instead of two).
-        qk = rope(positions, qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
-                                                                        self.head_dim))
+        qk = rope(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
+                  cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
@@ -124,9 +126,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.mlp = LlamaMLP(cfg, device, dtype)
 
-    def forward(self, positions: Tensor, h: Tensor, kv_cache: Tensor, meta: AttentionMetadata,
-                rope: RotaryEmbedding) -> Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), kv_cache, meta, rope)
+    def forward(self, h: Tensor, kv_cache: Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
+                cos: Tensor, sin: Tensor) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), kv_cache, meta, rope, cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -168,8 +170,9 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> Tensor:
         """Flattened tokens (decodes first, then prefill chunks) -> final-normed hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
         for layer in self.model.layers:
-            h = layer(positions, h, kv_cache, attn_metadata, self.rotary)
+            h = layer(h, kv_cache, attn_metadata, self.rotary, cos, sin)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
