@@ -262,7 +262,29 @@ function stop() {
   socket.cancel(); // if the socket is down this is sent after the reconnect
 }
 
+// A resumed reply whose generation died with the server (a restart) would otherwise wait forever:
+// if nothing arrives for a while, say so and show what the server stored.
+const RESUME_TIMEOUT_MS = 30_000;
+let resumeWatchdog = 0;
+
+function armResumeWatchdog() {
+  clearTimeout(resumeWatchdog);
+  resumeWatchdog = setTimeout(() => {
+    const r = state.reply;
+    if (!r) return;
+    r.node.classList.remove("streaming");
+    r.node.classList.add("failed");
+    setMeta(r.node, "interrupted");
+    r.node.dataset.finish = "error";
+    state.reply = null;
+    socket.inFlight = false;
+    setStreaming(false);
+    showBanner("The reply was lost while the connection was down.");
+  }, RESUME_TIMEOUT_MS);
+}
+
 function onFrame(frame) {
+  if (frame.type !== "session") clearTimeout(resumeWatchdog);
   switch (frame.type) {
     case "session":
       onSession(frame);
@@ -286,6 +308,7 @@ function onSession(frame) {
   showSessionHeader(frame.persona);
   if (frame.resumed) {
     if (state.stopRequested) socket.cancel();
+    armResumeWatchdog();
     return; // the conversation on screen is current; the rest of the reply follows as deltas
   }
   if (!state.historyShown) {

@@ -115,7 +115,8 @@ export class MemoryView {
     const hit = s.prefix_cache_hit_tokens || 0;
     const mine = sessionBlocks(s);
     const set = (name, value) => (this.root.querySelector(`[data-stat="${name}"]`).textContent = value);
-    set("blocks", `${s.num_blocks ?? s.kv_blocks_total} × ${s.block_size} tokens`);
+    const group = this.layout?.group ?? 1;
+    set("blocks", `${s.num_blocks ?? s.kv_blocks_total} × ${s.block_size} tokens${group > 1 ? ` (1 cell = ${group} blocks)` : ""}`);
     set("hit", queried ? `${((100 * hit) / queried).toFixed(1)}% (${hit}/${queried} tokens)` : "–");
     set("running", String(s.requests_running ?? 0));
     set("waiting", String(s.requests_waiting ?? 0));
