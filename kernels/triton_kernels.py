@@ -25,6 +25,14 @@ from kernels import reference
 
 LOG2E = 1.4426950408889634
 
+# Launch shapes by head-dim bucket (64: D <= 64, 128: larger). Chosen from ptxas register counts for sm_90
+# (8 warps keep these tiles at 104-228 registers without spills); benchmarks/kernels_gpu.py sweeps them.
+DECODE_CONFIG: dict[int, tuple[int, int]] = {64: (64, 8), 128: (32, 8)}  # (BLOCK_N, num_warps)
+PREFILL_CONFIG: dict[int, tuple[int, int, int]] = {
+    64: (64, 32, 8),
+    128: (64, 32, 8),
+}  # (BLOCK_M, BLOCK_N, warps)
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -132,7 +140,7 @@ def _decode_kernel(
     stride_ob,
     stride_oh,
     stride_os,
-    block_size,
+    KV_BLOCK: tl.constexpr,  # tokens per KV block; constexpr so // and % are cheap
     group,
     head_dim,
     partition_size,
@@ -172,8 +180,8 @@ def _decode_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + n
         valid = pos < end
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        row = block * stride_cb + (pos % block_size) * stride_co + head_off
+        block = tl.load(table + pos // KV_BLOCK, mask=valid, other=0).to(tl.int64)
+        row = block * stride_cb + (pos % KV_BLOCK) * stride_co + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -276,11 +284,12 @@ def paged_attention_decode(
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     if out is None:
         out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.stride(-1) == 1
     if num_seqs == 0:
         return out
     if max_context_len is None:
         max_context_len = int(context_lens.max())
-    block_n = 64 if head_dim <= 64 else 32
+    block_n, num_warps = DECODE_CONFIG[64 if head_dim <= 64 else 128]
     if num_splits is None:
         num_splits = _choose_splits(query, num_kv_heads, max_context_len, block_n)
     # Each split covers a whole number of tiles.
@@ -292,6 +301,7 @@ def paged_attention_decode(
         BLOCK_N=block_n,
         BLOCK_D=_pow2(head_dim),
         CAST_FP32=_interpreting() or query.dtype == torch.float32,
+        num_warps=num_warps,
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     args = (
@@ -383,7 +393,7 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
-    block_size,
+    KV_BLOCK: tl.constexpr,  # tokens per KV block; constexpr so // and % are cheap
     group,
     head_dim,
     BLOCK_M: tl.constexpr,
@@ -423,8 +433,8 @@ def _prefill_kernel(
         for tile in range(0, end, BLOCK_N):
             pos = tile + n
             valid = pos < end
-            block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-            row = block * stride_cb + (pos % block_size) * stride_co + head_off
+            block = tl.load(table + pos // KV_BLOCK, mask=valid, other=0).to(tl.int64)
+            row = block * stride_cb + (pos % KV_BLOCK) * stride_co + head_off
             kv_mask = valid[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
@@ -467,13 +477,13 @@ def paged_attention_prefill(
     assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     if out is None:
         out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=query.dtype, device=query.device)
+    assert out.shape == query.shape and out.stride(-1) == 1
     num_seqs = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    block_m = 64 if head_dim <= 64 else 32
-    block_n = 32
+    block_m, block_n, num_warps = PREFILL_CONFIG[64 if head_dim <= 64 else 128]
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
     _prefill_kernel[grid](
         query,
@@ -499,6 +509,7 @@ def paged_attention_prefill(
         BLOCK_N=block_n,
         BLOCK_D=_pow2(head_dim),
         CAST_FP32=_interpreting() or query.dtype == torch.float32,
+        num_warps=num_warps,
     )
     return out
 
@@ -546,7 +557,7 @@ def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
         kv_cache.stride(1),
         kv_cache.stride(2),
         block_numel,
-        BLOCK=min(4096, triton.next_power_of_2(block_numel)),
+        BLOCK=min(1024, triton.next_power_of_2(block_numel)),
     )
 
 
