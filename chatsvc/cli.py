@@ -7,6 +7,7 @@ import asyncio
 import inspect
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,14 @@ def build_engine(model: str | None, kwargs: dict[str, Any]) -> Any:
     return AsyncEngine.from_args(model=model, **kwargs)
 
 
+class _Stop(Exception):
+    """Raised by our SIGINT/SIGTERM handler: unwinds to serve()'s cleanup (embedded Redis) and exits 0."""
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signum)
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -88,6 +97,10 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     embedded: EmbeddedRedis | None = None
+    # uvicorn handles the signals while it serves and re-raises them once it has shut down gracefully;
+    # they then land here instead of killing the process before the embedded Redis is stopped.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stop)
     try:
         if args.redis_url:
             url, desc = args.redis_url, f"external Redis at {args.redis_url}"
@@ -109,6 +122,8 @@ def serve(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                 ws_max_size=4 * settings.max_ws_frame_bytes, timeout_graceful_shutdown=5)
         asyncio.run(uvicorn.Server(config).serve())
+        return 0
+    except _Stop:
         return 0
     finally:
         if embedded is not None:

@@ -1,0 +1,99 @@
+"""``chatsvc serve`` as a real process with its embedded Redis: sessions survive a restart, no orphans."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from chatsvc.cli import main
+from tests.gateway_fixtures import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180),
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+
+
+def redis_pids(data_dir: Path) -> list[int]:
+    """redis-server processes serving this data dir (matched by the socket path on their command line)."""
+    sock = str(data_dir / "redis" / "redis.sock")
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "redis-server" in cmd and sock in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+def start(model: Path, data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("REDIS_URL", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chatsvc.cli", "serve", "--model", str(model), "--port", str(port),
+         "--data-dir", str(data_dir), "--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "warning"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not become ready")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    proc.send_signal(sig)
+    assert proc.wait(30) == 0
+
+
+def test_restart_keeps_sessions_and_leaves_no_redis(tmp_path: Path) -> None:
+    from engine.model.testing import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path)
+    data = tmp_path / "data"
+    port = free_port()
+    proc = start(model, data, port)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        sid = httpx.post(base + "/v1/sessions", json={"persona": "tutor"}).json()["id"]
+        with httpx.stream("POST", f"{base}/v1/sessions/{sid}/messages", json={"content": "hello", "max_tokens": 4},
+                          timeout=30) as r:
+            assert r.status_code == 200
+            assert any('"done"' in line for line in r.iter_lines())
+        before = httpx.get(f"{base}/v1/sessions/{sid}").json()
+        assert len(redis_pids(data)) == 1
+    finally:
+        stop(proc, signal.SIGTERM)
+    assert redis_pids(data) == []
+    proc = start(model, data, port)
+    try:
+        after = httpx.get(f"http://127.0.0.1:{port}/v1/sessions/{sid}").json()
+        assert after["messages"] == before["messages"] and len(after["messages"]) == 2
+    finally:
+        stop(proc, signal.SIGINT)  # Ctrl-C
+    assert redis_pids(data) == []
+
+
+def test_cli_help_lists_the_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--model", "--redis-url", "--block-size", "--kv-cache-mb", "--num-kv-blocks",
+                 "--swap-space-mb", "--max-num-seqs", "--max-num-batched-tokens", "--preemption", "--api-key",
+                 "--device", "--dtype", "--max-model-len", "--allowed-origins", "--session-ttl", "--max-waiting"):
+        assert flag in out
