@@ -36,7 +36,7 @@ def server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     engine = AsyncEngine.from_args(model=default_model_path(), num_kv_blocks=384, block_size=BLOCK,
                                    max_num_seqs=32, max_waiting=256)
-    settings = Settings(abort_grace_s=0.5, max_n=4)
+    settings = Settings(abort_grace_s=2.0, max_n=4)
     app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), settings)
     with LiveServer(app) as live:
         # Personas are pinned in the background once Redis answers.
@@ -203,6 +203,34 @@ async def test_sse_resume_equals_uninterrupted_reply(server: LiveServer) -> None
     assert got == reference == done["message"]["content"]
     # One generation for the interrupted reply (plus the reference one), not two.
     assert metric(server, "chatsvc_requests_finished_total", '{reason="length"}') == finished_before + 1
+
+
+async def test_ws_resume_after_a_dropped_socket_and_a_second_socket(server: LiveServer) -> None:
+    async with connect(server.ws_url + "/v1/ws") as ws:
+        await ws.send(json.dumps({"type": "hello", "persona": "assistant"}))
+        sid = json.loads(await ws.recv())["id"]
+        await ws.send(json.dumps({"type": "message", "content": "Describe a forest.", "max_tokens": 24,
+                                  "ignore_eos": True, "temperature": 0}))
+        first = [json.loads(await ws.recv()) for _ in range(3)]
+        assert all(f["type"] == "delta" for f in first)
+        ws.transport.abort()  # the network drops: no close frame, so the reply waits for a resume
+    got = "".join(f["text"] for f in first)
+
+    async def read_rest(after: str | None) -> tuple[str, dict[str, Any]]:
+        async with connect(server.ws_url + "/v1/ws") as ws2:
+            await ws2.send(json.dumps({"type": "hello", "session_id": sid}))
+            assert json.loads(await ws2.recv())["busy"] is True
+            await ws2.send(json.dumps({"type": "resume", **({"after": after} if after else {})}))
+            text = ""
+            while (frame := json.loads(await ws2.recv()))["type"] == "delta":
+                text += frame["text"]
+            return text, frame
+
+    (rest, done), (whole, done2) = await asyncio.gather(read_rest(first[-1]["id"]), read_rest(None))
+    assert done["type"] == done2["type"] == "done" and done["finish_reason"] == "length"
+    assert got + rest == whole == done["message"]["content"]
+    stored = httpx.get(f"{server.url}/v1/sessions/{sid}").json()["messages"]
+    assert stored[-1]["content"] == whole and stored[-1]["tokens"] == 24
 
 
 async def test_fifty_aborted_streams_free_every_block(server: LiveServer) -> None:
