@@ -7,6 +7,7 @@ import torch
 
 from engine.request import SamplingParams
 from engine.sampler import (
+    HEAD_WIDTH,
     Sampler,
     SamplingBatch,
     apply_penalties,
@@ -114,11 +115,29 @@ def test_top_k_top_p_min_p_renormalize_over_kept_tokens() -> None:
         assert chi_square(counts[kept], expected) < 13.8, name
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9], ids=["widened_head", "full_sort"])
+def test_top_p_beyond_the_head_width(top_p: float) -> None:
+    torch.manual_seed(2)
+    vocab = 3000
+    logits = -torch.arange(vocab, dtype=torch.float32) * 3e-4  # nearly flat, sorted by id
+    probs = torch.softmax(logits.double(), dim=0)
+    kept = int(((probs.cumsum(0) - probs) < top_p).sum())
+    # The first head is too narrow; the widened one (8x) suffices only in the first case.
+    assert kept > HEAD_WIDTH and (kept > HEAD_WIDTH * 8) == (top_p == 0.9)
+    rows = 1000
+    out = Sampler()(logits.repeat(rows, 1), batch_of([SamplingParams(top_p=top_p)] * rows))
+    tokens = torch.tensor(out.token_ids)
+    assert int(tokens.max()) < kept
+    # The far half of the kept set is hit as often as its renormalized mass says.
+    far = float(probs[kept // 2 : kept].sum() / probs[:kept].sum())
+    assert abs(float((tokens >= kept // 2).float().mean()) - far) < 0.05  # ~3 sigma at 1000 draws
+
+
 def test_seeded_rows_do_not_depend_on_batch_composition() -> None:
-    vocab = 200
+    vocab = 400
     steps = 6
     logits = [random_logits(1, vocab, seed=10 + s)[0] for s in range(steps)]
-    seeded = SamplingParams(temperature=1.0, seed=1234)
+    seeded = SamplingParams(temperature=1.0, seed=1234, top_p=0.8)
 
     def run(layout: str) -> list[int]:
         gen = make_generator(1234, 0)
@@ -130,7 +149,8 @@ def test_seeded_rows_do_not_depend_on_batch_composition() -> None:
             else:
                 noise = random_logits(2, vocab, seed=100 + s)
                 rows = [noise[0], logits[s], noise[1]]
-                params = [SamplingParams(temperature=1.0, seed=7), seeded, SamplingParams(top_k=5)]
+                # The top-k neighbour widens the candidate head the seeded row is sampled from.
+                params = [SamplingParams(temperature=1.0, seed=7), seeded, SamplingParams(top_k=300)]
                 gens, pos = [others[0], gen, others[1]], 1
             out = Sampler()(torch.stack(rows), batch_of(params, generators=gens))
             got.append(out.token_ids[pos])
@@ -160,15 +180,17 @@ def test_penalties_change_exactly_the_expected_logits() -> None:
             [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
             [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
             [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
+            [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
         ]
     )
     params = [
         SamplingParams(repetition_penalty=2.0),
         SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
         SamplingParams(),  # no penalty: row untouched
+        SamplingParams(repetition_penalty=2.0, presence_penalty=1.0),  # nothing generated yet
     ]
-    prompts = [[0, 1], [0, 1], [0, 1]]
-    outputs = [[3, 3, 4], [3, 3, 4], [3, 3, 4]]
+    prompts = [[0, 1], [0, 1], [0, 1], [0, 2]]
+    outputs = [[3, 3, 4], [3, 3, 4], [3, 3, 4], []]
     got = logits.clone()
     apply_penalties(got, batch_of(params, outputs=outputs, prompts=prompts))
     # Repetition over prompt {0, 1} and output {3, 4}: positive / 2, negative * 2; 2 and 5 unseen.
@@ -176,6 +198,8 @@ def test_penalties_change_exactly_the_expected_logits() -> None:
     # Output only: token 3 seen twice (-0.5 - 2 * 0.25), token 4 once (-0.5 - 0.25); prompt ignored.
     assert got[1].tolist() == [2.0, -1.0, 0.5, 2.0, -2.75, 1.0]
     assert got[2].tolist() == logits[2].tolist()
+    # Repetition over the prompt only; presence needs output tokens.
+    assert got[3].tolist() == [1.0, -1.0, 0.25, 3.0, -2.0, 1.0]
 
 
 def test_penalty_steers_greedy_choice() -> None:
