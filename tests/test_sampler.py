@@ -50,11 +50,17 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs == [None] * 6
 
 
-def test_sampler_leaves_caller_logits_untouched() -> None:
-    logits = random_logits(2, 50)
+@pytest.mark.parametrize("penalized", [True, False])
+def test_sampler_leaves_caller_logits_untouched(penalized: bool) -> None:
+    logits = random_logits(3, 50)
     before = logits.clone()
-    params = [SamplingParams(temperature=0.7, top_p=0.5, repetition_penalty=1.3, presence_penalty=1.0)] * 2
-    Sampler()(logits, batch_of(params, outputs=[[3, 4], [5]], prompts=[[1, 2], [3]]))
+    penalty = {"repetition_penalty": 1.3, "presence_penalty": 1.0} if penalized else {}
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.5, **penalty),  # type: ignore[arg-type]
+        SamplingParams(temperature=1.2, min_p=0.1, **penalty),  # type: ignore[arg-type]
+        SamplingParams(temperature=0.0, top_k=3, **penalty),  # type: ignore[arg-type]
+    ]
+    Sampler()(logits, batch_of(params, outputs=[[3, 4], [5], []], prompts=[[1, 2], [3], [4]]))
     assert torch.equal(logits, before)
 
 
