@@ -352,6 +352,7 @@ class LLMEngine:
             "refcounts": [b.ref_count for b in pool.blocks],
             "cpu_used": self.block_manager.cpu.num_blocks - self.block_manager.cpu.num_free,
             "requests": requests,
+            "pins": self.block_manager.pinned_blocks(),
         }
 
     # -- output helpers ---------------------------------------------------------------------------
