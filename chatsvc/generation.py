@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from chatsvc.errors import APIError
@@ -71,10 +70,9 @@ class Generation:
                 self._observe(first)
                 yield first
             if self._it is not None:
-                async with aclosing(self._it) as it:
-                    async for delta in it:
-                        self._observe(delta)
-                        yield delta
+                async for delta in self._it:
+                    self._observe(delta)
+                    yield delta
             done = True
         finally:
             await self.close()

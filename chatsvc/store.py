@@ -41,7 +41,8 @@ class SessionMeta:
 
 class Store:
     def __init__(self, redis: aioredis.Redis, session_ttl_s: int, stream_ttl_s: int) -> None:
-        self.r = redis
+        # Any: redis-py's annotations cannot express decode_responses=True (everything here is str).
+        self.r: Any = redis
         self.session_ttl_s = session_ttl_s
         self.stream_ttl_s = stream_ttl_s
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import pydantic
@@ -73,10 +74,10 @@ class Connection:
             self.meta = await self._reload()
             turn, stream_after = parse_event_id(after)
             turn = self.meta.turns if turn is None else turn
-            at = self.gw.turns.attach(self.meta.id, turn)
-            if at is None and not await self.gw.store.stream_exists(self.meta.id, turn):
+            resumed = self.gw.turns.attach(self.meta.id, turn)
+            if resumed is None and not await self.gw.store.stream_exists(self.meta.id, turn):
                 raise APIError(404, "no reply to resume", code="stream_not_found")
-            self._follow(at, turn, stream_after)
+            self._follow(resumed, turn, stream_after)
 
     async def hello(self, frame: dict[str, Any]) -> None:
         if self.owner is None:
@@ -182,7 +183,7 @@ async def ws_endpoint(websocket: WebSocket) -> None:
         await conn.close(code)
 
 
-async def _dispatch(conn: Connection, msg: dict[str, Any]) -> None:
+async def _dispatch(conn: Connection, msg: Mapping[str, Any]) -> None:
     limit = conn.gw.settings.max_ws_frame_bytes
     if msg.get("bytes") is not None:
         await conn.error("binary_frame", "binary frames are not supported; send JSON text frames")
