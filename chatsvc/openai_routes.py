@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -88,27 +91,52 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         return EventSourceResponse(_chat_stream(gw, gen, req, rid, created, model), ping=10)
-    try:
-        texts: dict[int, list[str]] = {}
-        tokens: dict[int, list[int]] = {}
-        lps: dict[int, list[dict[int, float]]] = {}
-        reasons: dict[int, str | None] = {}
-        last: dict[int, Any] = {}
-        async for d in gen.deltas():
-            texts.setdefault(d.index, []).append(d.text)
-            tokens.setdefault(d.index, []).extend(d.token_ids)
-            lps.setdefault(d.index, []).extend(d.logprobs or [])
-            last[d.index] = d
-            if d.finished:
-                reasons[d.index] = d.finish_reason
-    finally:
-        await gen.close()
+    got = await _collect(request, gen)
     toks = _Tokens(gw.engine.tokenizer)
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(texts[i])},
-                "logprobs": {"content": toks.chat(tokens[i], lps[i], req.top_logprobs or 0)} if req.logprobs else None,
-                "finish_reason": reasons.get(i)} for i in sorted(texts)]
+    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
+                "logprobs": {"content": toks.chat(got.tokens[i], got.lps[i], req.top_logprobs or 0)}
+                if req.logprobs else None,
+                "finish_reason": got.reasons.get(i)} for i in sorted(got.texts)]
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                         "choices": choices, "usage": _usage(last, len(prompt_ids))})
+                         "choices": choices, "usage": _usage(got.last, len(prompt_ids))})
+
+
+@dataclass
+class _Collected:
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    lps: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    reasons: dict[int, str | None] = field(default_factory=dict)
+    last: dict[int, Any] = field(default_factory=dict)
+
+
+async def _collect(request: Request, gen: Generation, prefix: str = "") -> _Collected:
+    """All deltas of a non-streaming request; a client that hangs up aborts the generation."""
+    got = _Collected()
+
+    async def run() -> None:
+        async for d in gen.deltas():
+            got.texts.setdefault(d.index, [prefix]).append(d.text)
+            got.tokens.setdefault(d.index, []).extend(d.token_ids)
+            got.lps.setdefault(d.index, []).extend(d.logprobs or [])
+            got.last[d.index] = d
+            if d.finished:
+                got.reasons[d.index] = d.finish_reason
+
+    task = asyncio.create_task(run())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                raise APIError(499, "client closed the request", code="client_disconnected")
+        await task
+        return got
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await gen.close()
 
 
 def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
@@ -177,27 +205,13 @@ async def completions(request: Request) -> Response:
     echo = prompt_text if req.echo else ""
     if req.stream:
         return EventSourceResponse(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10)
-    try:
-        texts: dict[int, list[str]] = {}
-        tokens: dict[int, list[int]] = {}
-        lps: dict[int, list[dict[int, float]]] = {}
-        reasons: dict[int, str | None] = {}
-        last: dict[int, Any] = {}
-        async for d in gen.deltas():
-            texts.setdefault(d.index, [echo]).append(d.text)
-            tokens.setdefault(d.index, []).extend(d.token_ids)
-            lps.setdefault(d.index, []).extend(d.logprobs or [])
-            last[d.index] = d
-            if d.finished:
-                reasons[d.index] = d.finish_reason
-    finally:
-        await gen.close()
+    got = await _collect(request, gen, echo)
     toks = _Tokens(tok)
-    choices = [{"index": i, "text": "".join(texts[i]), "finish_reason": reasons.get(i),
-                "logprobs": toks.completion(tokens[i], lps[i], req.logprobs or 0, len(echo))
-                if req.logprobs is not None else None} for i in sorted(texts)]
+    choices = [{"index": i, "text": "".join(got.texts[i]), "finish_reason": got.reasons.get(i),
+                "logprobs": toks.completion(got.tokens[i], got.lps[i], req.logprobs or 0, len(echo))
+                if req.logprobs is not None else None} for i in sorted(got.texts)]
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": choices, "usage": _usage(last, len(prompt_ids))})
+                         "choices": choices, "usage": _usage(got.last, len(prompt_ids))})
 
 
 async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionRequest, rid: str, created: int,
