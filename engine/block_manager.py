@@ -200,6 +200,17 @@ class BlockManager:
         self._hashes.pop(seq.seq_id, None)
         self._num_slots.pop(seq.seq_id, None)
 
+    def abandon(self, seq: Sequence) -> None:
+        """Free a table allocated in this step whose scheduled tokens will not be computed after
+        all. Its blocks past ``seq.num_computed_tokens`` were registered in the prefix cache when
+        allocated but will never hold their KV, so they leave the cache first."""
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return
+        for block_id in table[seq.num_computed_tokens // self.block_size :]:
+            self.device.uncache(block_id)
+        self.free(seq)
+
     def free_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             self.free(seq)

@@ -118,6 +118,16 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._hash_to_block[block_hash] = block_id
 
+    def uncache(self, block_id: int) -> None:
+        """Forget a block's hash: its KV will not be written after all, so it must never be a hit."""
+        block = self.blocks[block_id]
+        if block.block_hash is None:
+            return
+        self._evict(block)
+        if block_id in self._free_cached:
+            del self._free_cached[block_id]
+            self._free_uncached.append(block_id)
+
     def is_cached(self, block_id: int) -> bool:
         return self.blocks[block_id].block_hash is not None
 

@@ -76,6 +76,9 @@ class Scheduler:
 
     # -- queues -------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
+        if group.sampling_params.n > self.config.max_num_seqs:
+            # It could never be admitted and would block the head of the waiting queue forever.
+            raise ValueError(f"n={group.sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         group.status = RequestStatus.WAITING
@@ -154,6 +157,13 @@ class Scheduler:
             group = self.running[i]
             requests = self._requests_for(group, budget)
             while requests and not self.block_manager.can_allocate(requests):
+                if len(self.running) == 1:
+                    # Alone with the whole pool and still no room: preempting it would only bring
+                    # it back to the same point (a swap/recompute loop), so it can never fit.
+                    self.running.remove(group)
+                    self._ignore(group, plan)
+                    requests = []
+                    break
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is group:
@@ -209,8 +219,10 @@ class Scheduler:
             admitted: list[tuple[Sequence, int]] = []
             for seq in group.unfinished_seqs():
                 prefix = self.block_manager.lookup_prefix(seq)
+                # A later sequence of a group (re-admitted after recompute) may get no tokens this
+                # step when the budget is spent: it still gets its table and runs next step.
                 n = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
-                if n <= 0 or not self.block_manager.can_allocate([(seq, n)], prefix, reserve):
+                if not self.block_manager.can_allocate([(seq, n)], prefix, reserve):
                     break
                 start_copies = self.block_manager.allocate_slots(seq, n, prefix, reserve)
                 assert not start_copies, "a fresh table never needs copy-on-write"
@@ -219,7 +231,7 @@ class Scheduler:
             if len(admitted) < len(group.unfinished_seqs()):
                 # All of a group or none of it: give back what this admission took.
                 for seq, _ in admitted:
-                    self.block_manager.free(seq)
+                    self.block_manager.abandon(seq)
                     seq.num_computed_tokens = 0
                 if not self.running and not plan.scheduled:
                     # Alone with the whole pool and still no room: it will never fit.
@@ -233,6 +245,8 @@ class Scheduler:
                 group.num_cached_tokens = group.seqs[0].num_computed_tokens
             self._insert_running(group)
             for seq, n in admitted:
+                if n == 0:
+                    continue
                 start = seq.num_computed_tokens
                 table = tuple(self.block_manager.block_table(seq))
                 plan.scheduled.append(ScheduledSeq(group, seq, start, n, table))
