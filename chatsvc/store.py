@@ -134,7 +134,7 @@ class Store:
     async def messages(self, sid: str) -> list[dict[str, Any]]:
         return [json.loads(m) for m in await self.r.lrange(self._skey(sid) + ":messages", 0, -1)]
 
-    async def begin_turn(self, sid: str, user_message: dict[str, Any]) -> int | None:
+    async def begin_turn(self, sid: str, user_message: dict[str, Any], owner: str | None = None) -> int | None:
         """Take the session's lock and append the user message; None if a reply is already running.
 
         The lock makes a turn append exactly once under concurrent requests: the loser gets 409.
@@ -148,6 +148,8 @@ class Store:
                 pipe.hincrby(self._skey(sid), "turns", 1)
                 pipe.hset(self._skey(sid), "updated", time.time())
                 self._touch(pipe, sid)
+                if owner is not None:  # an active session keeps its owner's index alive too
+                    pipe.expire(f"{P}owner:{owner}:sessions", self.session_ttl_s)
                 res = await pipe.execute()
             return int(res[1])
         except BaseException:

@@ -93,7 +93,7 @@ class TurnRegistry:
             raise APIError(400, str(exc), code="invalid_value") from exc
         user_msg = {"role": "user", "content": content, "created": time.time(),
                     "tokens": len(tok.encode(content))}
-        turn = await self.store.begin_turn(meta.id, user_msg)
+        turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona)
