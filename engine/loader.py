@@ -1,7 +1,7 @@
 """Build a model + tokenizer from an HF directory (config.json + safetensors) or a GGUF file.
 
-Every model is constructed on the meta device and then materialized once, so no time goes into
-random initialization of weights that are overwritten right after.
+Models are built with uninitialized parameters, so no time goes into random initialization of
+weights that are overwritten right after; load_weights checks that every parameter was filled.
 """
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
+import mmap
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import Tensor
 
 from engine.model import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_alias, get_model_class
@@ -80,8 +85,7 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
     tokenizer.eos_token_ids = eos
 
     backend = get_backend(attention_backend, device)
-    net = get_model_class(config.architecture)(config, backend, device="meta", dtype=dtype, rope_device=device)
-    net.to_empty(device=device)
+    net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype)
     net.load_weights(weights)
     net.requires_grad_(False)
     net.eval()
@@ -153,62 +157,161 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                   12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: fastest-varying first
+    qtype: GGMLQuantizationType
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+class GGUFFile:
+    """The header of a GGUF file (scalar/string metadata, tensor directory) and raw tensor bytes.
+
+    gguf.GGUFReader builds numpy views for every element of every metadata array, which for the
+    default model's ~98k tokenizer strings is most of the load time; the weights need none of them
+    (the tokenizer is converted once and cached), so arrays are skipped here.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with path.open("rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._pos = 0
+        if self._read("<4s") != b"GGUF":
+            raise ValueError("bad magic (not a GGUF file)")
+        version = self._read("<I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version} (or a big-endian file)")
+        n_tensors, n_kv = self._read("<Q"), self._read("<Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._read_str()
+            self.metadata[key] = self._read_value(self._read("<I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._read_str()
+            n_dims = self._read("<I")
+            if not 1 <= n_dims <= 4:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+            dims = tuple(self._read("<Q") for _ in range(n_dims))
+            infos.append((name, dims, self._read("<I"), self._read("<Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-self._pos // align) * align
+        self.tensors: list[GGUFTensorInfo] = []
+        for name, dims, type_id, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has unknown type {type_id}") from None
+            if qtype not in GGML_QUANT_SIZES:
+                raise ValueError(f"tensor {name!r} has type {qtype.name} of unknown size")
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            if dims[0] % block:
+                raise ValueError(f"tensor {name!r} row of {dims[0]} is not a multiple of its block size {block}")
+            nbytes = math.prod(dims) // block * type_size
+            if data_start + offset + nbytes > len(self._mm):
+                raise ValueError(f"tensor {name!r} extends past the end of the file (truncated?)")
+            self.tensors.append(GGUFTensorInfo(name, dims, qtype, data_start + offset, nbytes))
+
+    def _read(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self._mm, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _read_str(self) -> str:
+        n = self._read("<Q")
+        if self._pos + n > len(self._mm):
+            raise ValueError("string runs past the end of the file")
+        raw = self._mm[self._pos : self._pos + n]
+        self._pos += n
+        return raw.decode("utf-8")
+
+    def _read_value(self, vtype: int) -> Any:
+        if vtype in _SCALAR_FORMATS:
+            return self._read(_SCALAR_FORMATS[vtype])
+        if vtype == _STRING:
+            return self._read_str()
+        if vtype == _ARRAY:
+            self._skip_array(self._read("<I"), self._read("<Q"))
+            return None  # arrays (tokenizer vocabularies) are not needed for the weights
+        raise ValueError(f"unknown metadata value type {vtype}")
+
+    def _skip_array(self, etype: int, count: int) -> None:
+        if etype in _SCALAR_FORMATS:
+            self._pos += struct.calcsize(_SCALAR_FORMATS[etype]) * count
+        elif etype == _STRING:
+            for _ in range(count):
+                n = self._read("<Q")  # read before adding: `pos += read()` would load pos before read moves it
+                self._pos += n
+        elif etype == _ARRAY:
+            for _ in range(count):
+                self._skip_array(self._read("<I"), self._read("<Q"))
+        else:
+            raise ValueError(f"unknown metadata array type {etype}")
+        if self._pos > len(self._mm):
+            raise ValueError("metadata array runs past the end of the file")
+
+    def tensor_bytes(self, t: GGUFTensorInfo) -> np.ndarray:
+        """Raw bytes shaped [..., bytes per row], the layout gguf.quants.dequantize expects."""
+        block, type_size = GGML_QUANT_SIZES[t.qtype]
+        raw = np.frombuffer(self._mm, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return raw.reshape(*reversed(t.dims[1:]), t.dims[0] // block * type_size)
 
 
 def _open_gguf(path: Path, default: bool) -> tuple[ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
-    import gguf
-
     try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on damaged files
+        gf = GGUFFile(path)
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
         raise ValueError(f"cannot read GGUF file {path} (corrupt or not GGUF): {e}") from e
-    gguf_arch = _field(reader, "general.architecture")
+    md = gf.metadata
+    gguf_arch = md.get("general.architecture")
     arch = architecture_alias(str(gguf_arch))
     if arch is None:
         raise ValueError(f"unsupported GGUF architecture {gguf_arch!r} in {path}; "
                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    tensor_names = {t.name for t in reader.tensors}
-    if "token_embd.weight" not in tensor_names:
+    by_name = {t.name: t for t in gf.tensors}
+    if "token_embd.weight" not in by_name:
         raise ValueError(f"GGUF file {path} has no token_embd.weight tensor")
 
     def meta(key: str, default: Any = None) -> Any:
-        value = _field(reader, f"{gguf_arch}.{key}", default)
+        value = md.get(f"{gguf_arch}.{key}", default)
         if value is None:
             raise ValueError(f"GGUF file {path} lacks metadata {gguf_arch}.{key}")
         return value
 
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
-    vocab = next(int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight")
     scaling = None
-    if _field(reader, f"{gguf_arch}.rope.scaling.type") == "linear":
+    if md.get(f"{gguf_arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = md.get("tokenizer.ggml.eos_token_id")
     config = ModelConfig(
         num_layers=int(meta("block_count")),
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=int(meta("attention.head_count_kv", heads)),
         head_dim=int(meta("attention.key_length", 0)) or int(meta("rope.dimension_count", hidden // heads)),
-        vocab_size=vocab,
+        vocab_size=int(by_name["token_embd.weight"].dims[-1]),
         intermediate_size=int(meta("feed_forward_length")),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        attention_out_bias="blk.0.attn_output.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in by_name,
+        attention_bias="blk.0.attn_q.bias" in by_name,
+        attention_out_bias="blk.0.attn_output.bias" in by_name,
         max_position_embeddings=int(meta("context_length", 2048)),
         architecture=arch,
         eos_token_ids=frozenset() if eos is None else frozenset([int(eos)]),
         name=DEFAULT_MODEL_NAME if default else path.stem,
     )
     tokenizer = Tokenizer.from_gguf(path)
-    return config, _gguf_weights(reader, config, path), tokenizer
+    return config, _gguf_weights(gf, config), tokenizer
 
 
 def unpermute_rotary(weight: Tensor, num_heads: int) -> Tensor:
@@ -222,10 +325,9 @@ def unpermute_rotary(weight: Tensor, num_heads: int) -> Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _gguf_weights(reader: Any, config: ModelConfig, path: Path) -> Iterator[tuple[str, Tensor]]:
-    from gguf.quants import dequantize
-
-    for t in reader.tensors:
+def _gguf_weights(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    path = gf.path
+    for t in gf.tensors:
         stem, _, leaf = t.name.rpartition(".")
         if stem.startswith("blk."):
             _, layer, kind = stem.split(".", 2)
@@ -239,14 +341,12 @@ def _gguf_weights(reader: Any, config: ModelConfig, path: Path) -> Iterator[tupl
         else:
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
         try:
-            array = dequantize(t.data, t.tensor_type)
+            array = dequantize(gf.tensor_bytes(t), t.qtype)
         except Exception as e:
-            raise ValueError(f"cannot dequantize {t.name} ({t.tensor_type.name}) in {path}: {e}") from e
-        # GGUF lists dimensions fastest-varying first; torch wants them the other way round.
+            raise ValueError(f"cannot dequantize {t.name} ({t.qtype.name}) in {path}: {e}") from e
         # Unquantized tensors come back as read-only views of the memory-mapped file: copy those.
         array = np.asarray(array, dtype=np.float32)
-        tensor = torch.from_numpy(array if array.flags.writeable else array.copy()).reshape(
-            tuple(int(d) for d in reversed(t.shape)))
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
         if config.architecture == "llama" and leaf == "weight" and stem.endswith((".attn_q", ".attn_k")):
             n = config.num_heads if stem.endswith(".attn_q") else config.num_kv_heads
             tensor = unpermute_rotary(tensor, n)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import default_model_path, load_model, unpermute_rotary
+from engine.loader import GGUFFile, default_model_path, load_model, unpermute_rotary
 from engine.model.testing import make_tiny_model_dir
 
 
@@ -142,6 +142,55 @@ def test_unsupported_gguf_architecture_is_named(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'"):
         load_model(str(path))
+
+
+def reader_scalars(reader: gguf.GGUFReader) -> dict[str, object]:
+    return {k: f.contents() for k, f in reader.fields.items()
+            if f.types and f.types[0] != gguf.GGUFValueType.ARRAY and not k.startswith("GGUF.")}
+
+
+def test_gguf_header_reader_agrees_with_gguf_package(tmp_path: Path) -> None:
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(3)
+    w.add_float32("llama.rope.freq_base", 12345.5)
+    w.add_string("general.name", "tiny ünïcode")
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "<|im_end|>", ""])
+    w.add_array("tokenizer.ggml.scores", [0.5, 1.5, -2.0, 0.0])
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    rng = np.random.default_rng(0)
+    f32 = rng.standard_normal((6, 64), dtype=np.float32)
+    q8 = rng.standard_normal((4, 64), dtype=np.float32)
+    w.add_tensor("a.weight", f32)
+    w.add_tensor("b.weight", f32[:3].astype(np.float16))
+    w.add_tensor("c.weight", gguf.quants.quantize(q8, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    scalars = reader_scalars(ref)
+    assert scalars["llama.rope.freq_base"] == 12345.5 and scalars["general.name"] == "tiny ünïcode"
+    assert {k: v for k, v in ours.metadata.items() if v is not None} == scalars
+    assert ours.metadata["tokenizer.ggml.tokens"] is None  # arrays are skipped, not parsed
+    assert [(t.name, t.dims, t.qtype) for t in ours.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in ref.tensors]
+    for mine, theirs in zip(ours.tensors, ref.tensors, strict=True):
+        np.testing.assert_array_equal(gguf.quants.dequantize(ours.tensor_bytes(mine), mine.qtype),
+                                      gguf.quants.dequantize(theirs.data, theirs.tensor_type))
+    np.testing.assert_allclose(gguf.quants.dequantize(ours.tensor_bytes(ours.tensors[2]), ours.tensors[2].qtype),
+                               q8, atol=0.05)
+
+
+@pytest.mark.integration
+def test_gguf_header_reader_on_default_model() -> None:
+    path = default_model_path()
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert {k: v for k, v in ours.metadata.items() if v is not None} == reader_scalars(ref)
+    assert [(t.name, t.dims, t.qtype, t.offset) for t in ours.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), t.tensor_type, int(t.data_offset)) for t in ref.tensors]
 
 
 @pytest.mark.integration

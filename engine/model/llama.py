@@ -19,11 +19,34 @@ from engine.model.attention import AttentionMetadata, PagedAttention
 from kernels import AttentionBackend
 
 
+class Linear(nn.Module):
+    """y = x W^T + b with uninitialized parameters: every weight is loaded from a checkpoint right after,
+    and nn.Linear's random init (or building on the meta device) costs seconds for nothing."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, dim: int, device: torch.device | str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, device=device, dtype=dtype))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.eps = eps
         self.shape = (hidden_size,)
 
@@ -64,7 +87,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # Angles in float32, then rounded to the model dtype once, like the reference implementation.
-        # Plain attributes, not buffers: weights are loaded with to_empty(), which would wipe buffers.
+        # Plain attributes, not buffers: derived from the config, never part of a checkpoint.
         self.cos = angles.cos().to(device=device, dtype=dtype)
         self.sin = angles.sin().to(device=device, dtype=dtype)
         self.half_dim = head_dim // 2
@@ -85,9 +108,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias,
-                                  device=device, dtype=dtype)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_out_bias, device=device, dtype=dtype)
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, device, dtype)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias, device, dtype)
         self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
 
     def forward(self, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
@@ -107,10 +129,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias,
-                                      device=device, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, device=device,
-                                   dtype=dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, device, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, device, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -136,7 +156,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, backend, device, dtype) for i in range(cfg.num_layers)
         )
@@ -155,16 +175,16 @@ _FUSED = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, rope_device: torch.device | str | None = None) -> None:
-        """``device`` may be "meta" to skip weight initialization; the rope table is then built on ``rope_device``."""
+                 dtype: torch.dtype = torch.float32) -> None:
+        """Parameters are allocated uninitialized: call load_weights before use."""
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.model = LlamaModel(config, backend, device, dtype)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, False, device, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling, rope_device or device, dtype)
+                                      config.rope_scaling, device, dtype)
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 attn_metadata: AttentionMetadata) -> Tensor:
