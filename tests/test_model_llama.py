@@ -138,6 +138,24 @@ def test_half_precision_close_to_float32(tiny_dirs: dict[str, Path], dtype: torc
     assert 0 < err < 0.05 * full.abs().max().item()
 
 
+def test_triton_backend_matches_torch_backend(tiny_dirs: dict[str, Path]) -> None:
+    """The model runs unchanged on the Triton kernels (interpreted on CPU here, see conftest)."""
+    results = []
+    for backend in ("torch", "triton"):
+        lm = load_model(str(tiny_dirs["qwen2"]), attention_backend=backend)
+        ids = prompt_ids(lm, 9)
+        kv = empty_cache(lm)
+        meta, pos = prefill_metadata([8], BLOCK)
+        prefill = run(lm, ids[:8], pos, kv, meta)
+        decode_meta = AttentionMetadata(
+            slot_mapping=torch.tensor([2 * BLOCK]), block_tables=torch.tensor([[0, 1, 2]], dtype=torch.int32),
+            context_lens=torch.tensor([9], dtype=torch.int32), query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            num_decodes=1, max_query_len=1, max_context_len=9)
+        results.append((prefill, run(lm, ids[8:], torch.tensor([8]), kv, decode_meta)))
+    for ours, theirs in zip(*results, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
 # ---- the real default model --------------------------------------------------------------------
 
 
