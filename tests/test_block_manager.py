@@ -329,7 +329,9 @@ class _Model:
 
     bm: BlockManager
     groups: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # (group, "device" | "cpu")
-    kv: dict[str, dict[tuple[int, int], tuple[int, ...]]] = field(default_factory=lambda: {"device": {}, "cpu": {}})
+    kv: dict[str, dict[tuple[int, int], tuple[int, ...]]] = field(
+        default_factory=lambda: {"device": {}, "cpu": {}}
+    )
     pins: dict[str, list[int]] = field(default_factory=dict)  # key -> pinned tokens
 
     def pool(self, where: str):  # type: ignore[no-untyped-def]

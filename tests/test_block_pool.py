@@ -10,7 +10,9 @@ import pytest
 from engine.block_pool import BlockPool, hash_block
 
 
-def _cache_and_free(pool: BlockPool, block_id: int, tokens: tuple[int, ...], parent: bytes | None = None) -> bytes:
+def _cache_and_free(
+    pool: BlockPool, block_id: int, tokens: tuple[int, ...], parent: bytes | None = None
+) -> bytes:
     """Register an allocated block under the hash of ``tokens`` and release it into the cached free list."""
     block_hash = hash_block(parent, tokens)
     pool.cache(block_id, block_hash, tokens)
