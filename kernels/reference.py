@@ -50,7 +50,8 @@ def paged_attention_decode(
     group = num_q_heads // num_kv_heads
     if max_context_len is None:
         max_context_len = int(context_lens.max())
-    num_blocks = -(-max_context_len // block_size)
+    # max_context_len is only an upper bound (e.g. taken over a whole mixed batch): never past the table.
+    num_blocks = min(-(-max_context_len // block_size), block_tables.shape[1])
     lens = context_lens.to(device=query.device, dtype=torch.long)
 
     # Padding entries of a block table may hold anything: replace those past each context with block 0.

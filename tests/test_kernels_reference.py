@@ -69,7 +69,7 @@ def test_decode_matches_naive(
     )
     _close(_decode(p), naive_attention(p), dtype)
     # max_context_len is only a bound for the gather: a larger one must not change anything.
-    _close(_decode(p, max_context_len=max(context_lens) + 2 * block_size), naive_attention(p), dtype)
+    _close(_decode(p, max_context_len=max(context_lens) + 10 * block_size), naive_attention(p), dtype)
 
 
 def test_decode_shared_blocks_and_garbage_padding(gen: torch.Generator) -> None:
