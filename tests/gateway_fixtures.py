@@ -1,7 +1,7 @@
 """Fixtures for the gateway tests: a private redis-server, a tiny-model engine, a live server.
 
-Import what a module needs with ``from tests.gateway_fixtures import *`` style names or list this
-module in ``pytest_plugins``.
+Test modules import what they need with ``from gateway_fixtures import ...`` (pytest puts tests/ on
+sys.path, as for the other helper modules there); importing a fixture makes it available in that module.
 """
 
 from __future__ import annotations

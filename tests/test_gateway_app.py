@@ -14,12 +14,12 @@ import httpx
 import openai
 import pytest
 import websockets
+from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
 from websockets.asyncio.client import connect
 
 from chatsvc.app import create_app
 from chatsvc.settings import Settings
 from chatsvc.store import Store
-from tests.gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 BLOCK = 16

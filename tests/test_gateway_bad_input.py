@@ -14,12 +14,12 @@ import httpx
 import pytest
 import redis as sync_redis
 import websockets
+from gateway_fixtures import LiveServer, free_port, redis_proc  # noqa: F401
 from websockets.sync.client import connect
 
 from chatsvc.app import create_app
 from chatsvc.settings import Settings
 from chatsvc.store import Store
-from tests.gateway_fixtures import LiveServer, free_port, redis_proc  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 KEY_A, KEY_B = "key-a", "key-b"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from gateway_fixtures import free_port
 
 from chatsvc.cli import main
-from tests.gateway_fixtures import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180),

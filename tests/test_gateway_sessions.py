@@ -10,11 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 import redis as sync_redis
+from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
 
 from chatsvc.app import create_app
 from chatsvc.settings import Settings
 from chatsvc.store import Store
-from tests.gateway_fixtures import LiveServer, redis_proc  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from gateway_fixtures import redis_proc, redis_url  # noqa: F401
 
 from chatsvc.store import Store
-from tests.gateway_fixtures import redis_proc, redis_url  # noqa: F401
 
 
 @pytest.fixture
