@@ -29,6 +29,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("CHATSVC_CACHE", Path.home() / ".cache" / "chatsvc"))
@@ -36,6 +37,7 @@ VLLM_VENV = CACHE / "vllm-venv"
 VLLM_VERSION = "0.32.0"
 HF_DIR = CACHE / "smollm2-135m-instruct-hf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVED_NAME = "smollm2-135m-instruct"
 PROJECT_PY = ROOT / ".venv" / "bin" / "python" if (ROOT / ".venv").exists() else Path(sys.executable)
 
 
@@ -139,57 +141,79 @@ def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, 
                 proc.wait()
 
 
-def vllm_server(py: Path, port: int, log_path: Path, prefix_caching: bool = True):  # type: ignore[no-untyped-def]
+def vllm_server(py: Path, port: int, log_path: Path) -> contextlib.AbstractContextManager[None]:
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-           "--model", str(HF_DIR), "--served-model-name", "smollm2-135m-instruct", "--dtype", "bfloat16",
-           "--max-num-seqs", "64", "--max-model-len", "2048", "--disable-log-requests"]
-    if not prefix_caching:
-        cmd.append("--no-enable-prefix-caching")
+           "--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16",
+           "--max-num-seqs", "64", "--max-model-len", "2048", "--enable-prompt-tokens-details"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="0", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    return server(cmd, env, f"http://127.0.0.1:{port}/v1/models", log_path, timeout_s=600)
+    return server(cmd, env, f"http://127.0.0.1:{port}/v1/models", log_path, timeout_s=900)
 
 
-def ours_server(port: int, log_path: Path, prefix_caching: bool = True):  # type: ignore[no-untyped-def]
-    cmd = [str(PROJECT_PY), "-m", "chatsvc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-num-seqs", "64"]
-    if not prefix_caching:
-        cmd.append("--no-prefix-caching")
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return server(cmd, env, f"http://127.0.0.1:{port}/v1/models", log_path, timeout_s=600)
+# ``chatsvc serve`` has no prefix-caching switch (yet): this launcher turns it off in the engine arguments.
+NO_PREFIX_LAUNCHER = (
+    "import sys, chatsvc.cli as c; base = c.engine_kwargs; "
+    "c.engine_kwargs = lambda a: {**base(a), 'enable_prefix_caching': False}; sys.exit(c.main(sys.argv[1:]))"
+)
+
+
+def ours_server(port: int, log_path: Path, prefix_caching: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Same limits as the vLLM server: bf16, 64 sequences, 2048-token context, 4 GiB of KV cache."""
+    launcher = ["-m", "chatsvc.cli"] if prefix_caching else ["-c", NO_PREFIX_LAUNCHER]
+    cmd = [str(PROJECT_PY), *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--model", str(HF_DIR), "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "2048",
+           "--kv-cache-mb", "4096", "--data-dir", str(log_path.parent / f"redis-{port}"), "--log-level", "warning"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("TRITON_INTERPRET", None)
+    return server(cmd, env, f"http://127.0.0.1:{port}/ready", log_path, timeout_s=600)
 
 
 # ---------------------------------------------------------------------------------------------- load
 
 
-WORKLOADS: dict[str, dict[str, object]] = {
+WORKLOADS: dict[str, dict[str, Any]] = {
     "a": {"title": "32 concurrent x 128 in / 128 out",
           "args": ["--sessions", "32", "--turns", "1", "--input-tokens", "128", "--max-tokens", "128",
                    "--ignore-eos"]},
-    "b": {"title": "64 concurrent multi-turn ShareGPT sessions (3 turns, <=128 out)",
-          "args": ["--sessions", "64", "--turns", "3", "--max-tokens", "128", "--max-prompt-chars", "1500"]},
-    "c": {"title": "64 sessions sharing a 341-token system prompt (2 turns, 64 out)",
-          "args": ["--sessions", "64", "--turns", "2", "--system-prompt-tokens", "341", "--max-tokens", "64",
-                   "--max-prompt-chars", "600", "--ignore-eos"]},
+    "b": {"title": "64 concurrent multi-turn ShareGPT sessions (3 turns, 128 out, history resent)",
+          "args": ["--sessions", "64", "--turns", "3", "--max-tokens", "128", "--max-prompt-chars", "1500",
+                   "--ignore-eos"]},
+    "c": {"title": "64 sessions sharing a 341-token system prompt (2 turns, 32 out)",
+          "args": ["--sessions", "64", "--turns", "2", "--system-prompt-tokens", "341", "--max-tokens", "32",
+                   "--max-prompt-chars", "400", "--ignore-eos"]},
 }
-WARMUP_ARGS = ["--sessions", "4", "--turns", "1", "--max-tokens", "16", "--seed", "999"]
+WARMUP_ARGS = ["--sessions", "4", "--turns", "1", "--max-tokens", "16"]
 
 
-def bench(url: str, args: list[str], json_path: Path | None, seed: int) -> dict[str, object]:
+def quick(args: list[str]) -> list[str]:
+    """The same workload shrunk (4 sessions, 16 tokens) to check the plumbing, not to measure."""
+    out = list(args)
+    for flag, value in (("--sessions", "4"), ("--max-tokens", "16")):
+        if flag in out:
+            out[out.index(flag) + 1] = value
+    return out
+
+
+def bench(url: str, args: list[str], json_path: Path | None, seed: int) -> dict[str, Any]:
     cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--mode", "openai", "--no-progress",
-           "--duration", "900", *args]
+           "--duration", "900", "--seed", str(seed), *args]
     if json_path is not None:
-        cmd += ["--json", str(json_path), "--seed", str(seed)]
-    log("bench: " + " ".join(cmd[2:]))
-    subprocess.run(cmd, check=True, stdout=sys.stderr)
-    return json.loads(json_path.read_text()) if json_path is not None else {}
+        cmd += ["--json", str(json_path), "--plot", str(json_path.with_suffix(".png"))]
+    log("bench: " + " ".join(cmd[3:]))
+    rc = subprocess.run(cmd, stdout=sys.stderr, env=dict(os.environ, HF_HUB_OFFLINE="1")).returncode
+    if rc != 0:
+        log(f"bench exited with {rc}")
+    if json_path is None or not json_path.exists():
+        return {}
+    return dict(json.loads(json_path.read_text()))
 
 
-def run_workloads(url: str, name: str, keys: list[str], out: Path, seed: int) -> dict[str, dict[str, object]]:
-    bench(url, WARMUP_ARGS, None, seed)
+def run_workloads(url: str, name: str, keys: list[str], out: Path, seed: int, shrink: bool) -> dict[str, Any]:
+    bench(url, WARMUP_ARGS, None, seed + 1000)
     results = {}
     for key in keys:
-        results[key] = bench(url, list(WORKLOADS[key]["args"]), out / f"{name}_{key}.json", seed)  # type: ignore[call-overload]
+        args = list(WORKLOADS[key]["args"])
+        results[key] = bench(url, quick(args) if shrink else args, out / f"{name}_{key}.json", seed)
     return results
 
 
@@ -205,6 +229,7 @@ def main() -> int:
     ap.add_argument("--prepare-only", action="store_true", help="install vLLM and convert the model, then exit")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
     a = ap.parse_args()
     keys = [k for k in a.workloads.split(",") if k]
     unknown = set(keys) - set(WORKLOADS)
@@ -216,25 +241,28 @@ def main() -> int:
     if a.prepare_only:
         return 0
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = a.out / f"serving_vs_vllm_{stamp}"
+    out = a.out / f"serving_vs_vllm_{stamp}{'_quick' if a.quick else ''}"
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, dict[str, object]]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    plan: list[tuple[str, Any, list[str]]] = []
     if not a.skip_ours:
-        port = free_port()
-        with ours_server(port, out / "ours_server.log"):
-            results["ours"] = run_workloads(f"http://127.0.0.1:{port}", "ours", keys, out, a.seed)
+        plan.append(("ours", lambda port, log_path: ours_server(port, log_path), keys))
         if "c" in keys:
-            port = free_port()
-            with ours_server(port, out / "ours_noprefix_server.log", prefix_caching=False):
-                results["ours_noprefix"] = run_workloads(f"http://127.0.0.1:{port}", "ours_noprefix", ["c"], out,
-                                                         a.seed)
+            plan.append(("ours_noprefix", lambda port, log_path: ours_server(port, log_path, prefix_caching=False),
+                         ["c"]))
     if py is not None:
+        vpy = py
+        plan.append(("vllm", lambda port, log_path: vllm_server(vpy, port, log_path), keys))
+    for name, start, todo in plan:
         port = free_port()
-        with vllm_server(py, port, out / "vllm_server.log"):
-            results["vllm"] = run_workloads(f"http://127.0.0.1:{port}", "vllm", keys, out, a.seed)
+        try:
+            with start(port, out / f"{name}_server.log"):
+                results[name] = run_workloads(f"http://127.0.0.1:{port}", name, todo, out, a.seed, a.quick)
+        except (RuntimeError, TimeoutError, OSError) as exc:  # one server failing should not lose the others
+            log(f"{name}: {exc}")
 
     header = f"{'workload':<9}{'server':<15}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}" \
-             f"{'E2E p50':>10}{'errors':>8}"
+             f"{'E2E p50':>10}{'cached/prompt tok':>20}{'errors':>8}"
     lines = [header, "-" * len(header)]
     for key in keys:
         for name, per in results.items():
@@ -244,10 +272,14 @@ def main() -> int:
             errs = sum(dict(r.get("errors") or {}).values())  # type: ignore[call-overload]
             lines.append(f"{key:<9}{name:<15}{fmt(r['output_tok_s']):>9}{fmt(r['request_s'], 2):>8}"
                          f"{fmt(r['ttft_ms']['p50']):>10}{fmt(r['tpot_ms']['p50']):>10}"  # type: ignore[index]
-                         f"{fmt(r['e2e_ms']['p50'], 0):>10}{errs:>8}")  # type: ignore[index]
+                         f"{fmt(r['e2e_ms']['p50'], 0):>10}"  # type: ignore[index]
+                         f"{fmt(r.get('cached_prompt_tokens')) + ' / ' + fmt(r.get('total_prompt_tokens')):>20}"
+                         f"{errs:>8}")
     table = "\n".join(lines)
     print(table)
-    meta = {"date": stamp, "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    meta = {"date": stamp, "commit": commit, "quick": a.quick, "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
             "python": platform.python_version(), "command": " ".join(sys.argv),
             "workloads": {k: WORKLOADS[k] for k in keys}}
     (out / "summary.txt").write_text(json.dumps(meta, indent=1) + "\n\n" + table + "\n")
@@ -270,10 +302,15 @@ def main() -> int:
         "ours_tpot_p50_ms": pick("ours", main_key, "tpot_ms", "p50"),
         "vllm_tpot_p50_ms": pick("vllm", main_key, "tpot_ms", "p50"),
     }
+    for key in keys:
+        o, v = pick("ours", key, "output_tok_s"), pick("vllm", key, "output_tok_s")
+        final[f"ratio_{key}"] = o / v if o and v else None
     if "c" in keys:
         on, off = pick("ours", "c", "output_tok_s"), pick("ours_noprefix", "c", "output_tok_s")
         final["persona_prefix_on_tok_s"], final["persona_prefix_off_tok_s"] = on, off
         final["persona_prefix_ratio"] = on / off if on and off else None
+        final["persona_prefix_on_ttft_p50_ms"] = pick("ours", "c", "ttft_ms", "p50")
+        final["persona_prefix_off_ttft_p50_ms"] = pick("ours_noprefix", "c", "ttft_ms", "p50")
     (out / "final.json").write_text(json.dumps(final) + "\n")
     print(json.dumps(final))
     return 0

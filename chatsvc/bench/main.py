@@ -8,7 +8,7 @@ import contextlib
 import math
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
@@ -28,7 +28,6 @@ class LazyTokenizer:
     spec: str | None
     _tok: dataset.HFTokenizer | None = None
     _failed: str | None = None
-    used: bool = field(default=False)
 
     def get(self, required: bool = False) -> dataset.HFTokenizer | None:
         if self._tok is None and self._failed is None:
