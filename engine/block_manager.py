@@ -113,6 +113,7 @@ class BlockManager:
         """
         needed = 0
         taken_free = 0
+        writers: dict[int, int] = {}  # shared block -> how many of these requests write into it
         for seq, num_new in requests:
             if seq.seq_id not in self._tables and prefix_blocks:
                 hit_tokens = len(prefix_blocks) * self.block_size
@@ -121,6 +122,12 @@ class BlockManager:
                 taken_free += sum(1 for b in prefix_blocks if self.device.blocks[b].ref_count == 0)
             else:
                 needed += self._new_blocks_needed(seq, num_new, reserve_tokens)
+                if self._needs_cow(seq, num_new):
+                    block_id = self._tables[seq.seq_id][seq.num_computed_tokens // self.block_size]
+                    writers[block_id] = writers.get(block_id, 0) + 1
+        # Copies happen one writer at a time; once all other holders have copied, the last one
+        # writes in place, so at most refcount - 1 writers of a block need a new one.
+        needed -= sum(max(0, k - (self.device.blocks[b].ref_count - 1)) for b, k in writers.items())
         return needed + taken_free <= self.device.num_free
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None,

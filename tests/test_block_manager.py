@@ -158,6 +158,27 @@ def test_can_allocate_counts_the_copy() -> None:
     assert bm.block_table(child) == bm.block_table(parent)
 
 
+def test_can_allocate_knows_the_last_holder_writes_in_place() -> None:
+    bm = BlockManager(block_size=4, num_device_blocks=4)
+    parent = _group([1, 2, 3, 4, 5, 6]).seqs[0]
+    _compute(bm, parent)
+    seqs = [parent]
+    for i in (1, 2):
+        child = parent.fork(i)
+        bm.fork(parent, child)
+        seqs.append(child)
+    for s in seqs:
+        s.token_ids.append(9)
+    # Three writers of a block shared three ways: two copies, the third writes in place.
+    assert bm.num_free_device_blocks == 2
+    requests = [(s, 1) for s in seqs]
+    assert bm.can_allocate(requests)
+    assert not bm.can_allocate(requests + [(_group([1]).seqs[0], 5)])
+    copies = [c for s in seqs for c in bm.allocate_slots(s, 1)]
+    assert len(copies) == 2 and bm.num_free_device_blocks == 0
+    bm.check_invariants()
+
+
 def test_pinned_prefix_is_never_evicted_and_is_shared() -> None:
     bm = BlockManager(block_size=2, num_device_blocks=6)
     persona = [7, 7, 8, 8]
