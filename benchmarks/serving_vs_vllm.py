@@ -196,7 +196,7 @@ def quick(args: list[str]) -> list[str]:
 
 def bench(url: str, args: list[str], json_path: Path | None, seed: int) -> dict[str, Any]:
     cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--mode", "openai", "--no-progress",
-           "--duration", "900", "--seed", str(seed), *args]
+           "--duration", "600", "--seed", str(seed), *args]
     if json_path is not None:
         cmd += ["--json", str(json_path), "--plot", str(json_path.with_suffix(".png"))]
     log("bench: " + " ".join(cmd[3:]))
