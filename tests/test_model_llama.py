@@ -55,6 +55,16 @@ def test_prefill_matches_transformers(tiny_dirs: dict[str, Path], arch: str) -> 
     torch.testing.assert_close(ours, reference_logits(tiny_dirs[arch], ids), atol=1e-4, rtol=1e-4)
 
 
+def test_llama_with_attention_and_mlp_bias(tmp_path: Path) -> None:
+    d = make_tiny_model_dir(tmp_path, "llama", attention_bias=True, mlp_bias=True)
+    lm = load_model(str(d))
+    assert lm.config.attention_bias and lm.config.attention_out_bias and lm.config.mlp_bias
+    ids = prompt_ids(lm, 7)
+    meta, pos = prefill_metadata([len(ids)], BLOCK)
+    torch.testing.assert_close(run(lm, ids, pos, empty_cache(lm), meta), reference_logits(d, ids),
+                               atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prefill_then_decode_reads_paged_cache(tiny_dirs: dict[str, Path], arch: str) -> None:
     lm = load_model(str(tiny_dirs[arch]))

@@ -69,11 +69,11 @@ def make_tiny_model_dir(tmp_path: Path, arch: Literal["llama", "qwen2"] = "llama
     elif arch == "qwen2":
         kwargs.setdefault("tie_word_embeddings", False)
         model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
-        with torch.no_grad():  # default init zeroes biases: randomize so the test would notice them missing
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.2)
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
+    with torch.no_grad():  # default init zeroes biases: randomize so a test would notice them dropped
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
     model.save_pretrained(str(out))
     return out
