@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.loader import GGUFFile, default_model_path, load_model, unpermute_rotary
+from engine.model import ModelConfig
 from engine.model.testing import make_tiny_model_dir
 
 
@@ -211,3 +212,22 @@ def test_default_model_config() -> None:
     assert c.tie_word_embeddings and c.architecture == "llama" and c.name == "SmolLM2-135M-Instruct"
     assert lm.path == default_model_path()
     assert lm.tokenizer.hf.convert_tokens_to_ids("<|im_end|>") in c.eos_token_ids
+
+
+def test_config_parsing_accepts_transformers_4_and_5_rope_keys() -> None:
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 1, "vocab_size": 10, "intermediate_size": 8, "eos_token_id": [3, 4]}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    v4 = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {**scaling, "rope_type": "llama3"}})
+    v4_old_key = ModelConfig.from_hf_dict({**base, "rope_theta": 5e5, "rope_scaling": {**scaling, "type": "llama3"}})
+    v5 = ModelConfig.from_hf_dict({**base, "rope_parameters": {**scaling, "rope_type": "llama3", "rope_theta": 5e5}})
+    assert v4 == v4_old_key == v5
+    assert v5.rope_theta == 5e5 and v5.rope_scaling is not None and v5.rope_scaling["rope_type"] == "llama3"
+    assert v5.num_kv_heads == 4 and v5.head_dim == 16 and v5.eos_token_ids == frozenset({3, 4})
+    default = ModelConfig.from_hf_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert default.rope_scaling is None and default.rope_theta == 1e4
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf_dict({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="supported: llama, qwen2"):
+        ModelConfig.from_hf_dict({**base, "architectures": ["PhiForCausalLM"], "model_type": "phi"})

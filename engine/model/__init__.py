@@ -73,7 +73,8 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+            rest = {k: v for k, v in scaling.items() if k not in ("type", "rope_type")}
+            scaling = None if rope_type == "default" else {**rest, "rope_type": rope_type}
         eos = cfg.get("eos_token_id")
         eos_ids = frozenset() if eos is None else frozenset([eos] if isinstance(eos, int) else eos)
         bias = bool(cfg.get("attention_bias", False))
