@@ -105,8 +105,9 @@ class BlockManager:
         return idx < len(table) and self.device.blocks[table[idx]].ref_count > 1
 
     def can_allocate(self, requests: list[tuple[Sequence, int]], prefix_blocks: list[int] | None = None,
-                     reserve_tokens: int = 0) -> bool:
-        """Whether every ``(seq, num_new_tokens)`` can get its slots at once.
+                     reserve_tokens: int = 0, watermark: int = 0) -> bool:
+        """Whether every ``(seq, num_new_tokens)`` can get its slots at once, leaving ``watermark``
+        blocks free.
 
         ``prefix_blocks`` are prefix-cache hits for a sequence without a table yet: the ones that
         are currently free (refcount 0) stop being free when taken.
@@ -128,7 +129,7 @@ class BlockManager:
         # Copies happen one writer at a time; once all other holders have copied, the last one
         # writes in place, so at most refcount - 1 writers of a block need a new one.
         needed -= sum(max(0, k - (self.device.blocks[b].ref_count - 1)) for b, k in writers.items())
-        return needed + taken_free <= self.device.num_free
+        return needed + taken_free + watermark <= self.device.num_free
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None,
                        reserve_tokens: int = 0) -> BlockPlan:

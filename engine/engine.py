@@ -151,6 +151,8 @@ class LLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
         sampling_params.validate()
+        if sampling_params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
         if prompt_token_ids is None:
             if prompt is None:
                 raise ValueError("prompt or prompt_token_ids is required")

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from engine.model import ModelConfig
+from engine.model.llama import LlamaForCausalLM
 from engine.model.attention import AttentionMetadata
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels import AttentionBackend
@@ -36,7 +37,7 @@ class ModelInput:
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         config: ModelConfig,
         backend: AttentionBackend,
         block_size: int,

@@ -179,7 +179,9 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(group):
             plan.swap_out.extend(self.block_manager.swap_out(group))
             group.status = RequestStatus.SWAPPED
-            self.swapped.append(group)
+            # Oldest first, so swapped groups come back in arrival order.
+            keys = [g.arrival_time for g in self.swapped]
+            self.swapped.insert(bisect.bisect_right(keys, group.arrival_time), group)
             self.num_preemptions["swap"] += 1
         else:
             self.block_manager.free_group(group)
@@ -212,6 +214,8 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
         reserve = self.config.max_model_len if self.config.kv_reservation == "max_len" else 0
+        # Admitting into the last few free blocks would only preempt someone at the next decode.
+        watermark = 0 if reserve else max(1, self.block_manager.device.num_blocks // 100)
         while self.waiting and budget > 0:
             group = self.waiting[0]
             if self._num_running_seqs() + self._seq_slots(group) > self.config.max_num_seqs:
@@ -222,7 +226,8 @@ class Scheduler:
                 # A later sequence of a group (re-admitted after recompute) may get no tokens this
                 # step when the budget is spent: it still gets its table and runs next step.
                 n = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
-                if not self.block_manager.can_allocate([(seq, n)], prefix, reserve):
+                margin = watermark if self.running else 0
+                if not self.block_manager.can_allocate([(seq, n)], prefix, reserve, margin):
                     break
                 start_copies = self.block_manager.allocate_slots(seq, n, prefix, reserve)
                 assert not start_copies, "a fresh table never needs copy-on-write"
