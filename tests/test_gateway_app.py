@@ -41,7 +41,7 @@ def server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
     with LiveServer(app) as live:
         # Personas are pinned in the background once Redis answers.
         deadline = time.monotonic() + 60
-        while not app.state.gateway.personas.pinned and time.monotonic() < deadline:
+        while len(app.state.gateway.personas.pinned) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         live.gateway = app.state.gateway  # type: ignore[attr-defined]
         yield live
@@ -329,6 +329,7 @@ async def test_kv_stream_reports_a_sessions_blocks(server: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         sid = (await http.post("/v1/sessions", json={"persona": "pirate"})).json()["id"]
         seen: list[int] = []
+        persona_blocks: list[int] = []
 
         async def watch() -> None:
             async with http.stream("GET", "/v1/kv/stream", params={"session_id": sid}) as resp:
@@ -338,6 +339,7 @@ async def test_kv_stream_reports_a_sessions_blocks(server: LiveServer) -> None:
                         assert data["session"]["id"] == sid and "kv_blocks_free" in data
                         if data["session"]["blocks"]:
                             seen.extend(data["session"]["blocks"])
+                            persona_blocks.extend(data["session"]["persona_blocks"])
                             return
 
         watcher = asyncio.create_task(watch())
@@ -347,7 +349,9 @@ async def test_kv_stream_reports_a_sessions_blocks(server: LiveServer) -> None:
                 if watcher.done():
                     break
         await asyncio.wait_for(watcher, 30)
-    assert seen
+    pinned = server.gateway.personas.pinned["pirate"]
+    # The reply's block table starts with the persona's pinned blocks.
+    assert len(persona_blocks) == pinned // BLOCK and seen[: len(persona_blocks)] == persona_blocks
 
 
 def test_ws_invalid_frames_keep_the_socket_usable(server: LiveServer) -> None:
