@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -90,7 +91,9 @@ async def chat_completions(request: Request) -> Response:
     await gen.start()
     created = int(time.time())
     if req.stream:
-        return EventSourceResponse(_chat_stream(gw, gen, req, rid, created, model), ping=10)
+        # The background close also aborts a request whose client left before the stream began.
+        return EventSourceResponse(_chat_stream(gw, gen, req, rid, created, model), ping=10,
+                                   background=BackgroundTask(gen.close))
     got = await _collect(request, gen)
     toks = _Tokens(gw.engine.tokenizer)
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
@@ -204,7 +207,8 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return EventSourceResponse(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10)
+        return EventSourceResponse(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10,
+                                   background=BackgroundTask(gen.close))
     got = await _collect(request, gen, echo)
     toks = _Tokens(tok)
     choices = [{"index": i, "text": "".join(got.texts[i]), "finish_reason": got.reasons.get(i),

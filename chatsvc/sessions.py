@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -117,7 +118,7 @@ async def post_message(request: Request) -> Response:
         return await _resume(gw, meta, request.headers["last-event-id"])
     req = parse(SessionMessage, await read_json(request, gw.settings.max_body_bytes))
     at = await gw.turns.start(meta, req.content, req)
-    return EventSourceResponse(_follow_sse(gw, at, at.turn, "0"), ping=10)
+    return _sse_response(gw, at, at.turn, "0", meta.id)
 
 
 async def stream_reply(request: Request) -> Response:
@@ -134,21 +135,30 @@ async def _resume(gw: Gateway, meta: SessionMeta, last_event_id: str | None) -> 
     at = gw.turns.attach(meta.id, turn)
     if at is None and not await gw.store.stream_exists(meta.id, turn):
         raise APIError(404, "no reply to resume (finished and expired, or never started)", code="stream_not_found")
-    return EventSourceResponse(_follow_sse(gw, at, turn, after, meta.id), ping=10)
+    return _sse_response(gw, at, turn, after, meta.id)
 
 
-async def _follow_sse(gw: Gateway, at: ActiveTurn | None, turn: int, after: str,
-                      session_id: str | None = None) -> AsyncIterator[dict[str, str]]:
-    sid = at.session_id if at is not None else session_id
-    assert sid is not None
-    gw.metrics.open_streams.labels("sse").inc()
-    try:
-        async for eid, ev in gw.turns.follow(sid, turn, after):
-            yield {"id": eid, "data": json.dumps(ev)}
-    finally:
-        gw.metrics.open_streams.labels("sse").dec()
-        if at is not None:
+def _sse_response(gw: Gateway, at: ActiveTurn | None, turn: int, after: str, session_id: str) -> Response:
+    released = False
+
+    def release() -> None:
+        # Idempotent: runs from the generator's cleanup and again as the response's background task,
+        # which also covers a client gone before the generator ever started.
+        nonlocal released
+        if not released and at is not None:
+            released = True
             gw.turns.detach(at, abort_now=False)
+
+    async def events() -> AsyncIterator[dict[str, str]]:
+        gw.metrics.open_streams.labels("sse").inc()
+        try:
+            async for eid, ev in gw.turns.follow(session_id, turn, after):
+                yield {"id": eid, "data": json.dumps(ev)}
+        finally:
+            gw.metrics.open_streams.labels("sse").dec()
+            release()
+
+    return EventSourceResponse(events(), ping=10, background=BackgroundTask(release))
 
 
 async def cancel_reply(request: Request) -> JSONResponse:
