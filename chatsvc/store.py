@@ -151,6 +151,10 @@ class Store:
                 if owner is not None:  # an active session keeps its owner's index alive too
                     pipe.expire(f"{P}owner:{owner}:sessions", self.session_ttl_s)
                 res = await pipe.execute()
+            if not await self.r.hget(self._skey(sid), "title"):
+                # An untitled session is named after its first message, for the session list.
+                text = " ".join(str(user_message.get("content", "")).split())
+                await self.r.hset(self._skey(sid), "title", text[:60])
             return int(res[1])
         except BaseException:
             await self.r.delete(lock)

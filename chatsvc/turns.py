@@ -203,6 +203,12 @@ class TurnRegistry:
                     events = await self.store.read_events(session_id, turn, after, block_ms=0) \
                         if await self.store.stream_exists(session_id, turn) else []
                     if not events:
+                        # The reply ended without its done/error event (the server restarted
+                        # mid-reply, or the stream expired): say so rather than go quiet.
+                        yield event_id(turn, after), {
+                            "type": "error", "code": "stream_ended",
+                            "message": "this reply is no longer being generated; send the message again",
+                        }
                         return
             for sid, ev in events:
                 after = sid

@@ -67,3 +67,15 @@ async def test_reply_stream_reads_after_an_id(store: Store) -> None:
 async def test_session_keys_expire_with_ttl(store: Store) -> None:
     s = await store.create_session("o", "p", "sys")
     assert 0 < await store.r.ttl(f"chatsvc:session:{s.id}") <= 60
+
+
+async def test_untitled_session_is_named_after_its_first_message(store: Store) -> None:
+    meta = await store.create_session("carol", "p", "sys")
+    assert meta.title == ""
+    assert await store.begin_turn(meta.id, {"role": "user", "content": "  How do\nsails   work? " + "x" * 80}) == 1
+    await store.end_turn(meta.id, {"role": "assistant", "content": "wind"})
+    first = await store.get_session(meta.id, "carol")
+    assert first is not None and first.title.startswith("How do sails work? x") and len(first.title) == 60
+    assert await store.begin_turn(meta.id, {"role": "user", "content": "second"}) == 2
+    again = await store.get_session(meta.id, "carol")
+    assert again is not None and again.title == first.title
