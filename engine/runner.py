@@ -7,14 +7,17 @@ single-token decodes first, then prefill chunks, no padding between sequences.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from engine.model import ModelConfig
-from engine.model.llama import LlamaForCausalLM
 from engine.model.attention import AttentionMetadata
+from engine.model.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from kernels import AttentionBackend
 
@@ -22,6 +25,31 @@ from kernels import AttentionBackend
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of returning it to the OS (process-wide).
+
+    Every step allocates and frees the same large temporaries (gathered K/V, activations). By
+    default glibc serves big ones with fresh mmaps and trims the heap on free, so each step
+    page-faults its whole working set again: ~290k faults per decode step at batch 64 in float32,
+    about half the step time. Keeping the memory removes that (the working set stays mapped).
+    Returns whether the settings were applied (False off glibc).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 @dataclass(frozen=True)
@@ -51,6 +79,8 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()
         shape = (config.num_layers, 2, num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         cpu_shape = (config.num_layers, 2, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)

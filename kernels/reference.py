@@ -30,9 +30,17 @@ def write_kv_cache(
 
 
 def _gather_context(cache: Tensor, block_table: Tensor) -> Tensor:
-    """[..., nb] block ids -> [..., nb * block_size, Hkv, D] tokens in logical order (a copy)."""
-    gathered = cache[block_table]  # [..., nb, bs, Hkv, D]
-    return gathered.flatten(-4, -3)
+    """[..., nb] block ids -> [..., nb * block_size, Hkv, D] tokens in logical order (a copy).
+
+    index_select over whole blocks as rows copies each block in one piece; advanced indexing
+    (``cache[table]``) goes element-strided and was ~5x slower on CPU, where this gather is most of
+    decode attention's cost.
+    """
+    if not cache.is_contiguous():  # reshape would copy the whole pool
+        return cache[block_table].flatten(-4, -3)
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    rows = cache.view(num_blocks, -1).index_select(0, block_table.reshape(-1))
+    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[2:])
 
 
 def paged_attention_decode(
