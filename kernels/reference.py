@@ -51,7 +51,7 @@ def _gather_context(cache: Tensor, block_table: Tensor) -> Tensor:
     return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[2:])
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=32)
 def _decode_bias(lens: tuple[int, ...], tokens: int, num_kv_heads: int, group: int, dtype: torch.dtype,
                  device: torch.device) -> Tensor:
     """Additive mask [B, Hq, tokens * Hkv] for decode scores laid out (token, KV head): 0 where query head
@@ -68,6 +68,12 @@ def _decode_bias(lens: tuple[int, ...], tokens: int, num_kv_heads: int, group: i
     return bias.masked_fill_(~ok, float("-inf")).view(batch, num_kv_heads * group, tokens * num_kv_heads)
 
 
+# Decode sequences are attended in buckets of this many, shortest contexts together, so each bucket is
+# padded only to its own longest context (a batch mixing 50- and 600-token contexts would otherwise
+# gather and score 600 tokens for every sequence).
+DECODE_BUCKET = 16
+
+
 def paged_attention_decode(
     query: Tensor,
     k_cache: Tensor,
@@ -78,19 +84,32 @@ def paged_attention_decode(
     max_context_len: int | None = None,
 ) -> Tensor:
     """One query token per sequence (its last context token) attends to the sequence's whole context."""
+    del max_context_len  # each bucket's own longest context is the tighter bound
+    lens = context_lens.tolist()
+    if len(lens) <= DECODE_BUCKET:
+        return _decode_bucket(query, k_cache, v_cache, block_tables, lens, scale)
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    out = torch.empty_like(query)
+    for i in range(0, len(order), DECODE_BUCKET):
+        rows = order[i : i + DECODE_BUCKET]
+        idx = torch.tensor(rows, device=query.device)
+        out[idx] = _decode_bucket(query[idx], k_cache, v_cache, block_tables[idx.to(block_tables.device)],
+                                  [lens[r] for r in rows], scale)
+    return out
+
+
+def _decode_bucket(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, lens: list[int],
+                   scale: float) -> Tensor:
     num_seqs, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    lens = context_lens.tolist()
-    if max_context_len is None:
-        max_context_len = max(lens)
-    # max_context_len is only an upper bound (e.g. taken over a whole mixed batch): never past the table.
-    num_blocks = min(-(-max_context_len // block_size), block_tables.shape[1])
+    # Never past the table, whatever the lengths claim.
+    num_blocks = min(-(-max(lens) // block_size), block_tables.shape[1])
     tokens = num_blocks * block_size
 
     # Padding entries of a block table may hold anything: replace those past each context with block 0.
     table = block_tables[:, :num_blocks].to(device=k_cache.device, dtype=torch.long)
-    lens_t = context_lens.to(device=table.device, dtype=torch.long)
+    lens_t = torch.tensor(lens, device=table.device)
     needed = torch.arange(num_blocks, device=table.device) * block_size < lens_t[:, None]
     table = torch.where(needed, table, torch.zeros_like(table))
 
