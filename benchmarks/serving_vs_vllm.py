@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -162,7 +163,8 @@ def ours_server(port: int, log_path: Path, prefix_caching: bool = True) -> conte
     launcher = ["-m", "chatsvc.cli"] if prefix_caching else ["-c", NO_PREFIX_LAUNCHER]
     cmd = [str(PROJECT_PY), *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(HF_DIR), "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "2048",
-           "--kv-cache-mb", "4096", "--data-dir", str(log_path.parent / f"redis-{port}"), "--log-level", "warning"]
+           "--kv-cache-mb", "4096", "--data-dir", tempfile.mkdtemp(prefix="chatsvc-bench-redis-"),
+           "--log-level", "warning"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("TRITON_INTERPRET", None)
     return server(cmd, env, f"http://127.0.0.1:{port}/ready", log_path, timeout_s=600)
@@ -194,12 +196,12 @@ def quick(args: list[str]) -> list[str]:
     return out
 
 
-def bench(url: str, args: list[str], json_path: Path | None, seed: int) -> dict[str, Any]:
-    cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--mode", "openai", "--no-progress",
+def bench(url: str, name: str, args: list[str], json_path: Path | None, seed: int) -> dict[str, Any]:
+    cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--label", name, "--mode", "openai", "--no-progress",
            "--duration", "600", "--seed", str(seed), *args]
     if json_path is not None:
         cmd += ["--json", str(json_path), "--plot", str(json_path.with_suffix(".png"))]
-    log("bench: " + " ".join(cmd[3:]))
+    log("bench: " + " ".join(cmd[2:]))
     rc = subprocess.run(cmd, stdout=sys.stderr, env=dict(os.environ, HF_HUB_OFFLINE="1")).returncode
     if rc != 0:
         log(f"bench exited with {rc}")
@@ -209,11 +211,11 @@ def bench(url: str, args: list[str], json_path: Path | None, seed: int) -> dict[
 
 
 def run_workloads(url: str, name: str, keys: list[str], out: Path, seed: int, shrink: bool) -> dict[str, Any]:
-    bench(url, WARMUP_ARGS, None, seed + 1000)
+    bench(url, name, WARMUP_ARGS, None, seed + 1000)
     results = {}
     for key in keys:
         args = list(WORKLOADS[key]["args"])
-        results[key] = bench(url, quick(args) if shrink else args, out / f"{name}_{key}.json", seed)
+        results[key] = bench(url, name, quick(args) if shrink else args, out / f"{name}_{key}.json", seed)
     return results
 
 
