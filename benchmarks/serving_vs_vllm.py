@@ -151,20 +151,12 @@ def vllm_server(py: Path, port: int, log_path: Path) -> contextlib.AbstractConte
     return server(cmd, env, f"http://127.0.0.1:{port}/v1/models", log_path, timeout_s=900)
 
 
-# ``chatsvc serve`` has no prefix-caching switch (yet): this launcher turns it off in the engine arguments.
-NO_PREFIX_LAUNCHER = (
-    "import sys, chatsvc.cli as c; base = c.engine_kwargs; "
-    "c.engine_kwargs = lambda a: {**base(a), 'enable_prefix_caching': False}; sys.exit(c.main(sys.argv[1:]))"
-)
-
-
 def ours_server(port: int, log_path: Path, prefix_caching: bool = True) -> contextlib.AbstractContextManager[None]:
     """Same limits as the vLLM server: bf16, 64 sequences, 2048-token context, 4 GiB of KV cache."""
-    launcher = ["-m", "chatsvc.cli"] if prefix_caching else ["-c", NO_PREFIX_LAUNCHER]
-    cmd = [str(PROJECT_PY), *launcher, "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [str(PROJECT_PY), "-m", "chatsvc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--model", str(HF_DIR), "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "2048",
            "--kv-cache-mb", "4096", "--data-dir", tempfile.mkdtemp(prefix="chatsvc-bench-redis-"),
-           "--log-level", "warning"]
+           "--log-level", "warning"] + ([] if prefix_caching else ["--no-prefix-caching"])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("TRITON_INTERPRET", None)
     return server(cmd, env, f"http://127.0.0.1:{port}/ready", log_path, timeout_s=600)

@@ -44,6 +44,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
     p.add_argument("--abort-grace", type=float, default=3.0,
                    help="seconds a session reply keeps generating without readers before it is aborted")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="turn the prefix cache off (for measuring what it buys; personas then pin nothing)")
     p.add_argument("--log-level", default="info")
 
 
@@ -54,6 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "preemption_mode": args.preemption,
         "attention_backend": args.attention_backend, "max_waiting": args.max_waiting,
+        "enable_prefix_caching": args.prefix_caching,
     }
 
 

@@ -97,3 +97,17 @@ def test_cli_help_lists_the_serve_flags(capsys: pytest.CaptureFixture[str]) -> N
                  "--swap-space-mb", "--max-num-seqs", "--max-num-batched-tokens", "--preemption", "--api-key",
                  "--device", "--dtype", "--max-model-len", "--allowed-origins", "--session-ttl", "--max-waiting"):
         assert flag in out
+
+
+def test_engine_kwargs_follow_the_flags() -> None:
+    import argparse
+
+    from chatsvc.cli import add_serve_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    kw = engine_kwargs(parser.parse_args(["--no-prefix-caching", "--dtype", "bfloat16", "--preemption",
+                                          "recompute", "--num-kv-blocks", "64"]))
+    assert kw["enable_prefix_caching"] is False
+    assert (kw["dtype"], kw["preemption_mode"], kw["num_kv_blocks"]) == ("bfloat16", "recompute", 64)
+    assert engine_kwargs(parser.parse_args([]))["enable_prefix_caching"] is True
