@@ -66,9 +66,16 @@ class RunResult:
     seconds: float
     detail: str = ""
 
+    load_after: float = float("nan")  # 1-min load average when the run ended: other work on the machine
+
     @property
     def tok_s(self) -> float:
         return self.output_tokens / self.seconds
+
+    def line(self) -> str:
+        extra = f" ({self.detail})" if self.detail else ""
+        return (f"{self.name}: {self.tok_s:.1f} output tok/s, {self.output_tokens} tokens in {self.seconds:.1f} s, "
+                f"load avg after {self.load_after:.2f}{extra}")
 
 
 def load_prompts(n: int) -> list[str]:
@@ -132,7 +139,7 @@ def run_engine(prompts: list[list[int]], args: argparse.Namespace, reservation: 
               f"preemptions {preemptions}, KV utilization {util:.3f}")
     del engine
     gc.collect()
-    return RunResult(f"engine ({reservation})", output_tokens, seconds, detail), util
+    return RunResult(f"engine ({reservation})", output_tokens, seconds, detail, _load()), util
 
 
 def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> RunResult:
@@ -172,7 +179,11 @@ def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> RunResult:
     del model
     gc.collect()
     return RunResult(f"transformers static batch {args.hf_batch}", output_tokens, seconds,
-                     f"attention {attn}, weights GgufConfig(dequantize=True), left padding")
+                     f"attention {attn}, weights GgufConfig(dequantize=True), left padding", _load())
+
+
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
 def machine() -> str:
@@ -184,7 +195,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    load = _load()
     return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"load avg at start {load:.2f}")
 
@@ -242,16 +253,16 @@ def main() -> None:
     results: list[RunResult] = []
     engine_res, util = run_engine(prompts, args, "paged")
     results.append(engine_res)
-    print(f"{engine_res.name}: {engine_res.tok_s:.1f} output tok/s ({engine_res.detail})", flush=True)
+    print(engine_res.line(), flush=True)
     hf_res = max_len_res = None
     if not args.skip_hf:
         hf_res = run_hf(prompts, args)
         results.append(hf_res)
-        print(f"{hf_res.name}: {hf_res.tok_s:.1f} output tok/s ({hf_res.detail})", flush=True)
+        print(hf_res.line(), flush=True)
     if not args.skip_max_len:
         max_len_res, _ = run_engine(prompts, args, "max_len")
         results.append(max_len_res)
-        print(f"{max_len_res.name}: {max_len_res.tok_s:.1f} output tok/s ({max_len_res.detail})", flush=True)
+        print(max_len_res.line(), flush=True)
 
     def ratio(other: RunResult | None) -> float | None:
         return round(engine_res.tok_s / other.tok_s, 2) if other else None
@@ -265,8 +276,7 @@ def main() -> None:
         "speedup_vs_max_len": ratio(max_len_res),
         "kv_utilization": round(util, 4),
     }
-    lines = header + [f"{r.name}: {r.tok_s:.1f} output tok/s, {r.output_tokens} tokens in {r.seconds:.1f} s"
-                      + (f" ({r.detail})" if r.detail else "") for r in results] + [json.dumps(summary)]
+    lines = header + [r.line() for r in results] + [json.dumps(summary)]
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         with args.output.open("a") as f:

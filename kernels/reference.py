@@ -5,6 +5,7 @@ Shapes (see kernels/__init__.py): a layer's cache is ``[num_blocks, block_size, 
 and small strided ops cost more than arithmetic (measured, SmolLM2 shapes, batch 64):
 
 - the context is gathered with ``index_select`` over whole blocks (one contiguous copy per block);
+- decode runs in buckets of sequences with similar context lengths, so padding stays small;
 - decode scores every query head against every (token, KV head) column of the gathered K in one
   ``bmm`` and masks the columns of other KV heads: three times the (cheap) FLOPs of exact GQA, but
   no transposed copy of K/V and no per-head small matmuls, which made ``scaled_dot_product_attention``
@@ -51,7 +52,7 @@ def _gather_context(cache: Tensor, block_table: Tensor) -> Tensor:
     return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[2:])
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=16)  # one per decode bucket of a step
 def _decode_bias(lens: tuple[int, ...], tokens: int, num_kv_heads: int, group: int, dtype: torch.dtype,
                  device: torch.device) -> Tensor:
     """Additive mask [B, Hq, tokens * Hkv] for decode scores laid out (token, KV head): 0 where query head
