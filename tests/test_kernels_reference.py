@@ -164,3 +164,14 @@ def test_get_backend() -> None:
     assert backend.paged_attention_decode is reference.paged_attention_decode
     with pytest.raises(ValueError, match="unknown attention backend"):
         kernels.get_backend("flash")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_many_sequences_of_mixed_lengths(gen: torch.Generator, dtype: torch.dtype) -> None:
+    """More sequences than one decode bucket, in no particular length order: the bucketing by context
+    length must put every output row back where its sequence was."""
+    lens = torch.randint(1, 200, (41,), generator=gen).tolist()
+    lens[7] = 1
+    lens[20] = 199
+    p = make_problem(lens, block_size=16, group=3, head_dim=64, dtype=dtype, fill=GARBAGE, generator=gen)
+    _close(_decode(p), naive_attention(p), dtype)
