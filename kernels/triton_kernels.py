@@ -121,6 +121,21 @@ def write_kv_cache(
 
 
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, head_off, stride_cb, stride_co,
+                  KV_BLOCK: tl.constexpr, CAST_FP32: tl.constexpr):
+    """K and V rows of context positions ``pos`` ([BLOCK_N]), found through the block table; masked rows are 0."""
+    block = tl.load(table + pos // KV_BLOCK, mask=valid, other=0).to(tl.int64)
+    row = block * stride_cb + (pos % KV_BLOCK) * stride_co + head_off
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if CAST_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -180,14 +195,8 @@ def _decode_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + n
         valid = pos < end
-        block = tl.load(table + pos // KV_BLOCK, mask=valid, other=0).to(tl.int64)
-        row = block * stride_cb + (pos % KV_BLOCK) * stride_co + head_off
-        kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if CAST_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, head_off, stride_cb,
+                             stride_co, KV_BLOCK, CAST_FP32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_G, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -433,14 +442,8 @@ def _prefill_kernel(
         for tile in range(0, end, BLOCK_N):
             pos = tile + n
             valid = pos < end
-            block = tl.load(table + pos // KV_BLOCK, mask=valid, other=0).to(tl.int64)
-            row = block * stride_cb + (pos % KV_BLOCK) * stride_co + head_off
-            kv_mask = valid[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if CAST_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, d, d_mask, head_off, stride_cb,
+                                 stride_co, KV_BLOCK, CAST_FP32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             # Position 0 is visible to every row, so each row's max is finite after the first tile.
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
