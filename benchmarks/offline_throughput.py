@@ -125,10 +125,10 @@ def run_engine(prompts: list[list[int]], args: argparse.Namespace, reservation: 
     while engine.has_unfinished():
         output_tokens += sum(len(d.token_ids) for d in engine.step())
         t = time.perf_counter()
-        stats = engine.stats()
-        if stats["kv_slots_allocated"]:
-            util_sum += stats["kv_slots_filled"] / stats["kv_slots_allocated"]
-        running_sum += stats["requests_running"]
+        filled, allocated = engine.kv_slot_usage()
+        if allocated:
+            util_sum += filled / allocated
+        running_sum += engine.stats()["requests_running"]
         steps += 1
         sampling += time.perf_counter() - t
     seconds = time.perf_counter() - start - sampling

@@ -319,11 +319,12 @@ class LLMEngine:
         self.block_manager.unpin(key)
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self.scheduler.stats()
-        filled, allocated = self.block_manager.slot_usage()
-        stats["kv_slots_filled"] = filled
-        stats["kv_slots_allocated"] = allocated
-        return stats
+        """Counters only: cheap enough for the async engine to publish after every step."""
+        return dict(self.scheduler.stats())
+
+    def kv_slot_usage(self) -> tuple[int, int]:
+        """(device slots holding a token, slots allocated); walks every table, so benchmarks only."""
+        return self.block_manager.slot_usage()
 
     def kv_snapshot(self) -> dict[str, Any]:
         pool = self.block_manager.device

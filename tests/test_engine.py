@@ -97,6 +97,8 @@ def test_n_samples_share_prompt_blocks(tiny_dir: Path) -> None:
     used = eng.stats()["kv_blocks_total"] - eng.stats()["kv_blocks_free"]
     separate = 3 * len(tables[0])
     assert used < separate
+    filled, allocated = eng.kv_slot_usage()
+    assert allocated == used * 4 and 0 < filled <= allocated
     while eng.has_unfinished():
         eng.step()
     out = LLMEngine.request_output(group)
