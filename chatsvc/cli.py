@@ -36,7 +36,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption", choices=["swap", "recompute"], default="swap")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default="auto")
     p.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
     p.add_argument("--allowed-origins", default=None,

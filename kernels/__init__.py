@@ -1,10 +1,11 @@
-"""Paged-KV kernels: a plain-torch reference (CPU path, test oracle) and Triton kernels (CUDA).
+"""Paged-KV kernels: a plain-torch reference (test oracle, fallback), C++ CPU kernels and Triton kernels (CUDA).
 
-``get_backend`` picks one; both expose the same five functions, see ``AttentionBackend``.
+``get_backend`` picks one; all expose the same five functions, see ``AttentionBackend``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,21 +36,36 @@ def _from_module(name: str, module: Any) -> AttentionBackend:
     )
 
 
+log = logging.getLogger(__name__)
+
+
 def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> AttentionBackend:
-    """Pick the kernels: "auto" = Triton on CUDA, torch elsewhere; "torch" / "triton" force one.
+    """Pick the kernels: "auto" = Triton on CUDA, the C++ kernels on CPU (torch if they cannot be
+    built here); "torch" / "cpu" / "triton" force one.
 
     "triton" on CPU tensors works only under TRITON_INTERPRET=1 (set before the kernels are imported).
     """
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
+        if torch.device(device).type == "cuda":
+            return get_backend("triton", device)
+        try:
+            return get_backend("cpu", device)
+        except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
+            log.warning("C++ CPU kernels unavailable (%s); using the torch reference kernels", exc)
+            return get_backend("torch", device)
     if name == "torch":
         return _from_module("torch", reference)
+    if name == "cpu":
+        from kernels import cpu_kernels
+
+        cpu_kernels.load_extension()  # build or load now, not inside the first forward pass
+        return _from_module("cpu", cpu_kernels)
     if name == "triton":
         # Imported lazily: importing triton is slow and decorating reads TRITON_INTERPRET at that moment.
         from kernels import triton_kernels
 
         return _from_module("triton", triton_kernels)
-    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch' or 'triton'")
+    raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")
 
 
 __all__ = ["AttentionBackend", "get_backend", "reference"]

