@@ -45,7 +45,10 @@ def load_extension() -> ModuleType:
     return cpp_extension.load(
         name=f"chatsvc_paged_attention_cpu_{isa}",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", *flags],
+        # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
+        # The extension then shares the libgomp torch already loaded (same soname).
+        extra_cflags=["-O3", "-fopenmp", *flags],
+        extra_ldflags=["-fopenmp"],
         verbose=bool(os.environ.get("CHATSVC_VERBOSE_BUILD")),
     )
 

@@ -74,6 +74,52 @@ inline void axpy(float a, const T* x, float* y, int64_t n) {
   for (int64_t d = 0; d < n; ++d) y[d] += a * static_cast<float>(x[d]);
 }
 
+#ifdef CHATSVC_AVX2
+// e^x for x <= 0 (softmax after subtracting the max): x = n ln2 + r, |r| <= ln2 / 2, e^r by the Cephes
+// expf polynomial (about 1 ulp), 2^n built in the exponent bits. Eight at a time; libm's expf is scalar
+// and was a third of the kernel's time.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below this e^x is under float's normal range: ~0
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, with ln2 split in two so the product is exact enough.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+// s[t] = e^(s[t] - max) / sum over t, in place.
+inline void softmax(float* s, int64_t n) {
+  const float m = *std::max_element(s, s + n);
+  float sum = 0.f;
+  int64_t t = 0;
+#ifdef CHATSVC_AVX2
+  __m256 vsum = _mm256_setzero_ps();
+  const __m256 vm = _mm256_set1_ps(m);
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (t = 0; t < n; ++t) s[t] *= inv;
+}
+
 inline void prefetch_row(const void* row, int64_t bytes) {
   const char* p = static_cast<const char*>(row);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
@@ -136,17 +182,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
             }
           }
         }
-        for (int64_t h = 0; h < num_q_heads; ++h) {
-          float* s = scores.data() + h * ctx;
-          const float m = *std::max_element(s, s + ctx);
-          float sum = 0.f;
-          for (int64_t t = 0; t < ctx; ++t) {
-            s[t] = std::exp(s[t] - m);
-            sum += s[t];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-        }
+        for (int64_t h = 0; h < num_q_heads; ++h) softmax(scores.data() + h * ctx, ctx);
         for (int64_t b = 0, t = 0; b < used_blocks; ++b) {
           const scalar_t* block = v_ptr + table[b] * vb;
           const int64_t n = std::min(block_size, ctx - t);
