@@ -20,10 +20,18 @@ all three systems. Throughput = output tokens / wall time of the whole workload 
 KV utilization of (a): after every step, slots holding a token / slots allocated (``engine.stats()``),
 averaged over steps; the sampling time is excluded from the throughput.
 
+GEMM floor: both systems spend most of their time in the model's linear layers, and on a CPU
+those are compute-bound at any batch size worth running. After the runs, the script times the
+model's own weight matrices at a grid of row counts (same dtype, same threads) and adds up, step
+by step, what the linear layers alone cost each system: the engine for the rows it actually ran
+(recorded per step), transformers for its padded batches. ``hf_time / engine_gemm_floor`` is the
+speedup over transformers that an engine with free attention, sampling and scheduling would reach
+on this machine with these GEMMs: the ceiling for ``speedup_vs_hf`` here.
+
 Usage: python benchmarks/offline_throughput.py [--dtype float32|bfloat16] [--num-prompts 200]
            [--max-tokens 128] [--skip-hf] [--quick] [--threads N] [--output FILE]
 Last line: one JSON object {"dtype", "engine_tok_s", "hf_static_tok_s", "max_len_tok_s", "speedup_vs_hf",
-"speedup_vs_max_len", "kv_utilization"}.
+"speedup_vs_max_len", "kv_utilization", "engine_gemm_share", "speedup_vs_hf_gemm_bound"}.
 """
 
 from __future__ import annotations
@@ -103,7 +111,8 @@ def build_prompts(tok: Tokenizer, texts: list[str], max_prompt_tokens: int) -> t
     return result, truncated
 
 
-def run_engine(prompts: list[list[int]], args: argparse.Namespace, reservation: str) -> tuple[RunResult, float]:
+def run_engine(prompts: list[list[int]], args: argparse.Namespace,
+               reservation: str) -> tuple[RunResult, float, list[tuple[int, int]], Any]:
     engine = LLMEngine(
         dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -118,6 +127,15 @@ def run_engine(prompts: list[list[int]], args: argparse.Namespace, reservation: 
         engine.step()
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", params, prompt_token_ids=ids)
+    # Rows of every forward pass (tokens, sampled rows), for the GEMM floor; a list append per step.
+    rows: list[tuple[int, int]] = []
+    execute = engine.runner.execute
+
+    def recording_execute(out: Any) -> Any:
+        rows.append((sum(s.num_new_tokens for s in out.scheduled), sum(1 for s in out.scheduled if s.samples)))
+        return execute(out)
+
+    engine.runner.execute = recording_execute  # type: ignore[method-assign]
     output_tokens = steps = 0
     util_sum = running_sum = 0.0
     sampling = 0.0
@@ -137,9 +155,10 @@ def run_engine(prompts: list[list[int]], args: argparse.Namespace, reservation: 
     util = util_sum / max(steps, 1)
     detail = (f"steps {steps}, mean running requests {running_sum / max(steps, 1):.1f}, "
               f"preemptions {preemptions}, KV utilization {util:.3f}")
+    model = engine.runner.model
     del engine
     gc.collect()
-    return RunResult(f"engine ({reservation})", output_tokens, seconds, detail, _load()), util
+    return RunResult(f"engine ({reservation})", output_tokens, seconds, detail, _load()), util, [r for r in rows if r[0]], model
 
 
 def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> RunResult:
@@ -180,6 +199,62 @@ def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> RunResult:
     gc.collect()
     return RunResult(f"transformers static batch {args.hf_batch}", output_tokens, seconds,
                      f"attention {attn}, weights GgufConfig(dequantize=True), left padding", _load())
+
+
+class GemmTimer:
+    """Seconds the model's linear layers take for a forward pass of ``rows`` tokens, ``sampled`` of them
+    through the LM head: timed at a grid of row counts, linearly interpolated between them."""
+
+    GRID = (1, 8, 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096)
+
+    def __init__(self, model: Any) -> None:
+        layer = model.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        self.num_layers = len(model.model.layers)
+        self.layer_weights = [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        self.head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        self.layer_s = [self._time(self.layer_weights, m) for m in self.GRID]
+        self.head_s = [self._time([self.head], m) for m in self.GRID]
+
+    @staticmethod
+    def _time(weights: list[torch.Tensor], m: int) -> float:
+        inputs = [torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights]
+        reps = max(2, min(20, 4096 // m))
+        with torch.inference_mode():
+            for x, w in zip(inputs, weights, strict=True):
+                torch.nn.functional.linear(x, w)
+            start = time.perf_counter()
+            for _ in range(reps):
+                for x, w in zip(inputs, weights, strict=True):
+                    torch.nn.functional.linear(x, w)
+        return (time.perf_counter() - start) / reps
+
+    def _interp(self, table: list[float], m: int) -> float:
+        grid = self.GRID
+        if m <= grid[0]:
+            return table[0]
+        if m >= grid[-1]:  # beyond the grid: proportional to rows (compute-bound there)
+            return table[-1] * m / grid[-1]
+        hi = next(i for i, g in enumerate(grid) if g >= m)
+        lo = hi - 1
+        frac = (m - grid[lo]) / (grid[hi] - grid[lo])
+        return table[lo] + frac * (table[hi] - table[lo])
+
+    def forward_s(self, rows: int, sampled: int) -> float:
+        head = self._interp(self.head_s, sampled) if sampled else 0.0
+        return self.num_layers * self._interp(self.layer_s, rows) + head
+
+
+def hf_rows(prompts: list[list[int]], batch_size: int, max_tokens: int) -> list[tuple[int, int]]:
+    """transformers' forward passes: a padded prefill per batch (logits of the last position only),
+    then one decode pass per further token, every row of the batch each time."""
+    passes = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i: i + batch_size]
+        width = max(len(p) for p in batch)
+        passes.append((len(batch) * width, len(batch)))
+        passes.extend([(len(batch), len(batch))] * (max_tokens - 1))
+    return passes
 
 
 def _load() -> float:
@@ -251,7 +326,7 @@ def main() -> None:
         print(line, flush=True)
 
     results: list[RunResult] = []
-    engine_res, util = run_engine(prompts, args, "paged")
+    engine_res, util, engine_rows, model = run_engine(prompts, args, "paged")
     results.append(engine_res)
     print(engine_res.line(), flush=True)
     hf_res = max_len_res = None
@@ -260,9 +335,19 @@ def main() -> None:
         results.append(hf_res)
         print(hf_res.line(), flush=True)
     if not args.skip_max_len:
-        max_len_res, _ = run_engine(prompts, args, "max_len")
+        max_len_res, _, _, _ = run_engine(prompts, args, "max_len")
         results.append(max_len_res)
         print(max_len_res.line(), flush=True)
+
+    gemm = GemmTimer(model)
+    engine_floor = sum(gemm.forward_s(r, n) for r, n in engine_rows)
+    hf_floor = sum(gemm.forward_s(r, n) for r, n in hf_rows(prompts, args.hf_batch, args.max_tokens))
+    floor_line = (f"GEMM floor (the linear layers alone, timed now on this machine): engine {engine_floor:.1f} s = "
+                  f"{engine_floor / engine_res.seconds:.0%} of its run; transformers' padded batches {hf_floor:.1f} s"
+                  + (f" = {hf_floor / hf_res.seconds:.0%} of its run; an engine of pure GEMMs would be "
+                     f"{hf_res.seconds / engine_floor:.2f}x transformers" if hf_res else ""))
+    results_lines = [floor_line]
+    print(floor_line, flush=True)
 
     def ratio(other: RunResult | None) -> float | None:
         return round(engine_res.tok_s / other.tok_s, 2) if other else None
@@ -275,8 +360,10 @@ def main() -> None:
         "speedup_vs_hf": ratio(hf_res),
         "speedup_vs_max_len": ratio(max_len_res),
         "kv_utilization": round(util, 4),
+        "engine_gemm_share": round(engine_floor / engine_res.seconds, 3),
+        "speedup_vs_hf_gemm_bound": round(hf_res.seconds / engine_floor, 2) if hf_res else None,
     }
-    lines = header + [r.line() for r in results] + [json.dumps(summary)]
+    lines = header + [r.line() for r in results] + results_lines + [json.dumps(summary)]
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         with args.output.open("a") as f:
