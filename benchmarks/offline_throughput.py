@@ -203,30 +203,40 @@ def run_hf(prompts: list[list[int]], args: argparse.Namespace) -> RunResult:
 
 class GemmTimer:
     """Seconds the model's linear layers take for a forward pass of ``rows`` tokens, ``sampled`` of them
-    through the LM head: timed at a grid of row counts, linearly interpolated between them."""
+    through the LM head: timed at a grid of row counts, linearly interpolated between them.
+
+    Each timing runs every layer's own weight matrices in order, as a forward pass does, so the weights
+    stream from memory as they do in the engine; timing one layer's matrices over and over would keep
+    them in cache and make small batches look cheaper than they are.
+    """
 
     GRID = (1, 8, 16, 32, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096)
 
     def __init__(self, model: Any) -> None:
-        layer = model.model.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        self.num_layers = len(model.model.layers)
-        self.layer_weights = [attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        self.layers = [
+            [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+             layer.mlp.down_proj.weight]
+            for layer in model.model.layers
+        ]
         self.head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        self.layer_s = [self._time(self.layer_weights, m) for m in self.GRID]
-        self.head_s = [self._time([self.head], m) for m in self.GRID]
+        self.stack_s = [self._time(self.layers, m) for m in self.GRID]
+        self.head_s = [self._time([[self.head]], m) for m in self.GRID]
 
     @staticmethod
-    def _time(weights: list[torch.Tensor], m: int) -> float:
-        inputs = [torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights]
-        reps = max(2, min(20, 4096 // m))
-        with torch.inference_mode():
-            for x, w in zip(inputs, weights, strict=True):
-                torch.nn.functional.linear(x, w)
-            start = time.perf_counter()
-            for _ in range(reps):
+    def _time(layers: list[list[torch.Tensor]], m: int) -> float:
+        inputs = [torch.randn(m, w.shape[1], dtype=w.dtype) for w in layers[0]]
+
+        def forward() -> None:
+            for weights in layers:
                 for x, w in zip(inputs, weights, strict=True):
                     torch.nn.functional.linear(x, w)
+
+        reps = max(1, min(5, 1024 // m))
+        with torch.inference_mode():
+            forward()
+            start = time.perf_counter()
+            for _ in range(reps):
+                forward()
         return (time.perf_counter() - start) / reps
 
     def _interp(self, table: list[float], m: int) -> float:
@@ -242,7 +252,7 @@ class GemmTimer:
 
     def forward_s(self, rows: int, sampled: int) -> float:
         head = self._interp(self.head_s, sampled) if sampled else 0.0
-        return self.num_layers * self._interp(self.layer_s, rows) + head
+        return self._interp(self.stack_s, rows) + head
 
 
 def hf_rows(prompts: list[list[int]], batch_size: int, max_tokens: int) -> list[tuple[int, int]]:
