@@ -26,12 +26,15 @@ model's own weight matrices at a grid of row counts (same dtype, same threads) a
 by step, what the linear layers alone cost each system: the engine for the rows it actually ran
 (recorded per step), transformers for its padded batches. ``hf_time / engine_gemm_floor`` is the
 speedup over transformers that an engine with free attention, sampling and scheduling would reach
-on this machine with these GEMMs: the ceiling for ``speedup_vs_hf`` here.
+on this machine with these GEMMs: the ceiling for ``speedup_vs_hf`` here. The same sum over the
+max_len run's steps gives the ratio of the two engine runs' GEMM time alone
+(``gemm_only_speedup_vs_max_len``): how much larger batches save in the linear layers on this machine.
 
 Usage: python benchmarks/offline_throughput.py [--dtype float32|bfloat16] [--num-prompts 200]
            [--max-tokens 128] [--skip-hf] [--quick] [--threads N] [--output FILE]
 Last line: one JSON object {"dtype", "engine_tok_s", "hf_static_tok_s", "max_len_tok_s", "speedup_vs_hf",
-"speedup_vs_max_len", "kv_utilization", "engine_gemm_share", "speedup_vs_hf_gemm_bound"}.
+"speedup_vs_max_len", "kv_utilization", "engine_gemm_share", "speedup_vs_hf_gemm_bound",
+"gemm_only_speedup_vs_max_len"}.
 """
 
 from __future__ import annotations
@@ -340,12 +343,13 @@ def main() -> None:
     results.append(engine_res)
     print(engine_res.line(), flush=True)
     hf_res = max_len_res = None
+    max_len_rows: list[tuple[int, int]] = []
     if not args.skip_hf:
         hf_res = run_hf(prompts, args)
         results.append(hf_res)
         print(hf_res.line(), flush=True)
     if not args.skip_max_len:
-        max_len_res, _, _, _ = run_engine(prompts, args, "max_len")
+        max_len_res, _, max_len_rows, _ = run_engine(prompts, args, "max_len")
         results.append(max_len_res)
         print(max_len_res.line(), flush=True)
 
@@ -356,6 +360,10 @@ def main() -> None:
                   f"{engine_floor / engine_res.seconds:.0%} of its run; transformers' padded batches {hf_floor:.1f} s"
                   + (f" = {hf_floor / hf_res.seconds:.0%} of its run; an engine of pure GEMMs would be "
                      f"{hf_res.seconds / engine_floor:.2f}x transformers" if hf_res else ""))
+    max_len_floor = sum(gemm.forward_s(r, n) for r, n in max_len_rows)
+    if max_len_res:
+        floor_line += (f"; max_len {max_len_floor:.1f} s = {max_len_floor / max_len_res.seconds:.0%} of its run "
+                       f"(GEMMs alone, paged would be {max_len_floor / engine_floor:.2f}x max_len)")
     results_lines = [floor_line]
     print(floor_line, flush=True)
 
@@ -372,6 +380,7 @@ def main() -> None:
         "kv_utilization": round(util, 4),
         "engine_gemm_share": round(engine_floor / engine_res.seconds, 3),
         "speedup_vs_hf_gemm_bound": round(hf_res.seconds / engine_floor, 2) if hf_res else None,
+        "gemm_only_speedup_vs_max_len": round(max_len_floor / engine_floor, 2) if max_len_res else None,
     }
     lines = header + [r.line() for r in results] + results_lines + [json.dumps(summary)]
     if args.output:
