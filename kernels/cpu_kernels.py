@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -36,10 +38,20 @@ def _isa_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from PATH; the pip-installed one sits beside this interpreter,
+    which is not on PATH when the venv's python is run without activating the venv."""
+    venv_bin = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 @functools.cache
 def load_extension() -> ModuleType:
     """Build (or load the cached build of) the C++ kernels. Raises if no compiler can build them."""
     from torch.utils import cpp_extension
+
+    _ninja_on_path()
 
     isa, flags = _isa_flags()
     return cpp_extension.load(

@@ -125,6 +125,25 @@ inline void prefetch_row(const void* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
 }
 
+// Calls fn(t, row) for the ctx tokens of a sequence in order, row pointing at token t's K or V row (all
+// KV heads) in the pool, and prefetches the next row while fn uses this one.
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const scalar_t* pool, int64_t block_stride, int64_t token_stride, int64_t row_bytes,
+                         int64_t block_size, const int32_t* table, int64_t ctx, Fn&& fn) {
+  const int64_t used_blocks = (ctx + block_size - 1) / block_size;
+  for (int64_t b = 0, t = 0; b < used_blocks; ++b) {
+    const scalar_t* block = pool + table[b] * block_stride;
+    const int64_t n = std::min(block_size, ctx - t);
+    for (int64_t i = 0; i < n; ++i, ++t) {
+      const scalar_t* row = block + i * token_stride;
+      const scalar_t* next = (i + 1 < n) ? row + token_stride
+                             : (b + 1 < used_blocks ? pool + table[b + 1] * block_stride : row);
+      prefetch_row(next, row_bytes);
+      fn(t, row);
+    }
+  }
+}
+
 // ---- the kernel --------------------------------------------------------------------------------
 
 template <typename scalar_t>
@@ -166,38 +185,19 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at:
       std::fill(acc.begin(), acc.end(), 0.f);
       if (ctx > 0) {
         scores.resize(num_q_heads * ctx);
-        // Scores [Hq, ctx]: each key row is loaded once for the query heads of its KV head.
-        for (int64_t b = 0, t = 0; b < used_blocks; ++b) {
-          const scalar_t* block = k_ptr + table[b] * kb;
-          const int64_t n = std::min(block_size, ctx - t);
-          for (int64_t i = 0; i < n; ++i, ++t) {
-            const scalar_t* row = block + i * kt;
-            const scalar_t* next = (i + 1 < n) ? row + kt : (b + 1 < used_blocks ? k_ptr + table[b + 1] * kb : row);
-            prefetch_row(next, k_row_bytes);
-            for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-              for (int64_t g = 0; g < group; ++g) {
-                const int64_t h = kv * group + g;
-                scores[h * ctx + t] = dot(q.data() + h * head_dim, row + kv * kh, head_dim);
-              }
-            }
+        // Scores [Hq, ctx]: each key row is loaded once for every query head (query heads h of one GQA
+        // group share KV head h / group).
+        for_each_row(k_ptr, kb, kt, k_row_bytes, block_size, table, ctx, [&](int64_t t, const scalar_t* row) {
+          for (int64_t h = 0; h < num_q_heads; ++h) {
+            scores[h * ctx + t] = dot(q.data() + h * head_dim, row + (h / group) * kh, head_dim);
           }
-        }
+        });
         for (int64_t h = 0; h < num_q_heads; ++h) softmax(scores.data() + h * ctx, ctx);
-        for (int64_t b = 0, t = 0; b < used_blocks; ++b) {
-          const scalar_t* block = v_ptr + table[b] * vb;
-          const int64_t n = std::min(block_size, ctx - t);
-          for (int64_t i = 0; i < n; ++i, ++t) {
-            const scalar_t* row = block + i * vt;
-            const scalar_t* next = (i + 1 < n) ? row + vt : (b + 1 < used_blocks ? v_ptr + table[b + 1] * vb : row);
-            prefetch_row(next, v_row_bytes);
-            for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-              for (int64_t g = 0; g < group; ++g) {
-                const int64_t h = kv * group + g;
-                axpy(scores[h * ctx + t], row + kv * vh, acc.data() + h * head_dim, head_dim);
-              }
-            }
+        for_each_row(v_ptr, vb, vt, v_row_bytes, block_size, table, ctx, [&](int64_t t, const scalar_t* row) {
+          for (int64_t h = 0; h < num_q_heads; ++h) {
+            axpy(scores[h * ctx + t], row + (h / group) * vh, acc.data() + h * head_dim, head_dim);
           }
-        }
+        });
       }
       for (int64_t h = 0; h < num_q_heads; ++h) {
         scalar_t* dst = o_ptr + seq * o_s0 + h * o_s1;
