@@ -46,9 +46,23 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-@functools.cache
+# The first failed build, kept so later engines fall back at once instead of compiling again (a minute).
+_build_failure: list[Exception] = []
+
+
 def load_extension() -> ModuleType:
-    """Build (or load the cached build of) the C++ kernels. Raises if no compiler can build them."""
+    """Build (or load the cached build of) the C++ kernels. Raises if they cannot be built here."""
+    if _build_failure:
+        raise RuntimeError(f"the C++ CPU kernels failed to build earlier: {_build_failure[0]}")
+    try:
+        return _build()
+    except Exception as exc:
+        _build_failure.append(exc)
+        raise
+
+
+@functools.cache
+def _build() -> ModuleType:
     from torch.utils import cpp_extension
 
     _ninja_on_path()

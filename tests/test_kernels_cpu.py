@@ -83,11 +83,16 @@ def test_decode_rejects_unsupported_dtype(gen: torch.Generator) -> None:
 
 def test_auto_backend_is_cpu_and_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels.get_backend("auto", "cpu").name == "cpu"
+    builds = []
 
     def broken() -> None:
+        builds.append(1)
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(cpu_kernels, "load_extension", broken)
+    monkeypatch.setattr(cpu_kernels, "_build", broken)
+    monkeypatch.setattr(cpu_kernels, "_build_failure", [])
+    assert kernels.get_backend("auto", "cpu").name == "torch"
     assert kernels.get_backend("auto", "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="no compiler"):
         kernels.get_backend("cpu", "cpu")
+    assert len(builds) == 1, "a failed build must not be retried by every new engine"
