@@ -25,6 +25,7 @@ from gguf.quants import dequantize
 from torch import Tensor
 
 from engine.model import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_alias, get_model_class
+from engine.model.linear import resolve_linear_backend
 from engine.model.llama import LlamaForCausalLM
 from engine.tokenizer import Tokenizer
 from kernels import get_backend
@@ -67,10 +68,15 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 
 def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               attention_backend: str = "auto") -> LoadedModel:
-    """Load a supported model; ValueError says what is wrong with an unusable path or file."""
+               attention_backend: str = "auto", linear_backend: str = "auto") -> LoadedModel:
+    """Load a supported model; ValueError says what is wrong with an unusable path or file.
+
+    ``linear_backend``: "onednn" packs every linear once for oneDNN, "torch" keeps ``F.linear``,
+    "auto" packs where oneDNN runs the dtype natively (see engine.model.linear).
+    """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    linear_impl = resolve_linear_backend(linear_backend, dtype, device)
     path = resolve_model_path(model)
     if path.is_dir():
         config, weights, tokenizer = _open_hf_dir(path)
@@ -89,6 +95,8 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
     net.load_weights(weights)
     net.requires_grad_(False)
     net.eval()
+    if linear_impl == "onednn":
+        net.pack_linears()
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)
 
 

@@ -16,21 +16,8 @@ from torch import Tensor, nn
 
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.linear import Linear, pack_weight, packed_linear
 from kernels import AttentionBackend
-
-
-class Linear(nn.Module):
-    """y = x W^T + b with uninitialized parameters: every weight is loaded from a checkpoint right after,
-    and nn.Linear's random init (or building on the meta device) costs seconds for nothing."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):
@@ -185,6 +172,17 @@ class LlamaForCausalLM(nn.Module):
             config.hidden_size, config.vocab_size, False, device, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, device, dtype)
+        self.lm_head_packed: Tensor | None = None
+
+    def pack_linears(self) -> None:
+        """Pack every projection and the LM head (the tied embedding gets a packed copy) for oneDNN.
+
+        Call after load_weights, once the weights are final.
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.lm_head_packed = pack_weight(self._lm_head_weight())
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -195,9 +193,13 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, kv_cache, attn_metadata, self.rotary, cos, sin)
         return self.model.norm(h)
 
+    def _lm_head_weight(self) -> Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head_packed is not None:
+            return packed_linear(hidden, self.lm_head_packed, None).float()
+        return F.linear(hidden, self._lm_head_weight()).float()
 
     # ---- weights -------------------------------------------------------------------------------
 

@@ -1,0 +1,86 @@
+"""Linear layers whose weights are packed once, at load, into oneDNN's blocked layout.
+
+Plain ``F.linear`` re-lays out (or streams unblocked) the weight on every call; on CPU the model's
+linears are most of a step, and oneDNN's packed GEMMs use AMX / AVX512-BF16 for bf16 where the CPU has
+them, and AVX-512 for fp32 on CPUs where MKL's sgemm does not (AMD). One packing serves every batch
+size. ``torch.ops.mkldnn._reorder_linear_weight`` packs, ``_linear_pointwise`` multiplies; both ship
+with stock torch on x86. Packing is CPU-only and skipped, with a log line, where oneDNN cannot run the
+dtype natively (bf16 without AVX512-BF16 falls to a reference path several times slower than fp32).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+LinearBackend = Literal["auto", "onednn", "torch"]
+LINEAR_BACKENDS: tuple[str, ...] = ("auto", "onednn", "torch")
+
+
+def onednn_supports(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether oneDNN runs packed GEMMs of this dtype natively on this device."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def resolve_linear_backend(name: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """"auto" -> "onednn" where it runs natively, else "torch"; "onednn" where it cannot run is an error."""
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
+    supported = onednn_supports(dtype, device)
+    if name == "onednn" and not supported:
+        raise ValueError(f"oneDNN packed linears do not run {dtype} natively on {device}")
+    if name == "auto":
+        if not supported and torch.device(device).type == "cpu":
+            log.info("oneDNN has no native %s GEMM on this CPU: linears use F.linear", dtype)
+        return "onednn" if supported else "torch"
+    return name
+
+
+def pack_weight(weight: Tensor) -> Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Module):
+    """y = x W^T + b with uninitialized parameters: every weight is loaded from a checkpoint right after,
+    and nn.Linear's random init (or building on the meta device) costs seconds for nothing.
+
+    After :meth:`pack` the forward pass runs on the packed copy; the plain weight stays the parameter
+    (checkpoint loading, tests and the LM head's tied embedding read it).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.packed: Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+__all__ = ["LINEAR_BACKENDS", "Linear", "LinearBackend", "onednn_supports", "pack_weight", "packed_linear",
+           "resolve_linear_backend"]

@@ -1,0 +1,77 @@
+"""Packed oneDNN linears against F.linear, backend resolution, and dtype="auto"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.engine import resolve_dtype
+from engine.loader import load_model
+from engine.model import linear
+from engine.model.linear import Linear, onednn_supports, resolve_linear_backend
+from engine.model.testing import make_tiny_model_dir
+
+# (out, in) of every projection of SmolLM2-135M: qkv, o, gate_up, down, and the tied LM head.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _dtypes() -> list[torch.dtype]:
+    return [d for d in (torch.float32, torch.bfloat16) if onednn_supports(d, "cpu")]
+
+
+@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize(("out_features", "in_features"), SHAPES)
+@pytest.mark.parametrize("rows", [1, 7, 96])
+def test_packed_linear_equals_f_linear(dtype: torch.dtype, out_features: int, in_features: int, rows: int) -> None:
+    torch.manual_seed(rows)
+    layer = Linear(in_features, out_features, bias=True, device="cpu", dtype=dtype)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        assert layer.bias is not None
+        layer.bias.normal_(0, 0.05)
+    # A strided view, as the model passes (attention output reshaped, qkv slices).
+    x = torch.randn(rows, 2 * in_features, dtype=dtype)[:, :in_features]
+    want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    layer.pack()
+    got = layer(x)
+    assert got.shape == (rows, out_features) and got.dtype == dtype
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= TOL[dtype] * scale
+
+
+def test_resolve_linear_backend() -> None:
+    assert resolve_linear_backend("torch", torch.float32, "cpu") == "torch"
+    assert resolve_linear_backend("auto", torch.float32, "cpu") == ("onednn" if onednn_supports(torch.float32, "cpu")
+                                                                   else "torch")
+    with pytest.raises(ValueError, match="linear_backend"):
+        resolve_linear_backend("mkl", torch.float32, "cpu")
+
+
+def test_auto_falls_back_without_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU: bf16 GEMMs are emulated there, so "auto" means float32 and F.linear for bf16."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_linear_backend("auto", torch.bfloat16, "cpu") == "torch"
+    with pytest.raises(ValueError, match="natively"):
+        resolve_linear_backend("onednn", torch.bfloat16, "cpu")
+
+
+def test_auto_takes_bf16_where_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
+    assert resolve_dtype("float32", "cpu") == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["onednn", "torch"])
+def test_loaded_model_packs_every_linear(tmp_path: Path, backend: str) -> None:
+    if backend == "onednn" and not onednn_supports(torch.float32, "cpu"):
+        pytest.skip("no oneDNN on this build")
+    lm = load_model(str(make_tiny_model_dir(tmp_path)), linear_backend=backend)
+    layers = [m for m in lm.model.modules() if isinstance(m, linear.Linear)]
+    assert layers
+    assert all((m.packed is not None) == (backend == "onednn") for m in layers)
+    assert (lm.model.lm_head_packed is not None) == (backend == "onednn")
