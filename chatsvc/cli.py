@@ -35,8 +35,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it requests get 429")
     p.add_argument("--preemption", choices=["swap", "recompute"], default="swap")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="auto: bfloat16 where the CPU (AVX512-BF16/AMX) or GPU multiplies it natively, else float32")
     p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default="auto")
+    p.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
+                   help="onednn: weights packed once for oneDNN (auto, where it runs the dtype natively)")
     p.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
     p.add_argument("--allowed-origins", default=None,
@@ -56,6 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "preemption_mode": args.preemption,
         "attention_backend": args.attention_backend, "max_waiting": args.max_waiting,
+        "linear_backend": args.linear_backend,
         "enable_prefix_caching": args.prefix_caching,
     }
 

@@ -16,10 +16,12 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
+from engine.model.linear import onednn_supports
+from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestStatus, SamplingParams, Sequence, SequenceGroup
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampler import Sampler, SamplingBatch, make_generator
-from engine.scheduler import QueueFullError, ScheduledSeq, Scheduler, SchedulerOutput
+from engine.scheduler import QueueFullError, Scheduler
 from kernels import get_backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,11 +67,18 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """A dtype name, or "auto": bfloat16 where the device multiplies it natively (CUDA with bf16; a CPU
+    with AVX512-BF16 or AMX, as oneDNN reports), float32 elsewhere, where bf16 GEMMs run several times
+    slower than float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if onednn_supports(torch.bfloat16, device) else torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -77,7 +86,7 @@ class LLMEngine:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
@@ -91,11 +100,13 @@ class LLMEngine:
         attention_backend: str = "auto",
         kv_reservation: str = "paged",
         max_waiting: int = 1024,
+        linear_backend: str = "auto",
     ) -> None:
-        torch_dtype = resolve_dtype(dtype)
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
-        loaded = load_model(model, torch_dtype, device, attention_backend)
+        torch_dtype = resolve_dtype(dtype, device)
+        self.dtype = torch_dtype
+        loaded = load_model(model, torch_dtype, device, attention_backend, linear_backend)
         self.model_path = loaded.path
         self.model_name = loaded.config.name or loaded.path.stem
         self.model_config = loaded.config

@@ -14,7 +14,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
@@ -27,6 +27,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         kv_reservation: str = "paged",
+        linear_backend: str = "auto",
     ) -> None:
         self.engine = LLMEngine(
             model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -34,7 +35,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             preemption_mode=preemption_mode, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, kv_reservation=kv_reservation,
-            max_waiting=1 << 30,
+            max_waiting=1 << 30, linear_backend=linear_backend,
         )
         self._ids = itertools.count()
 

@@ -21,6 +21,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _llm(tiny_dir: Path, **kw: object) -> LLM:
     kw.setdefault("num_kv_blocks", 256)
     kw.setdefault("block_size", 4)
+    kw.setdefault("dtype", "float32")
     return LLM(model=str(tiny_dir), **kw)  # type: ignore[arg-type]
 
 

@@ -54,7 +54,7 @@ def reference() -> Any:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(num_kv_blocks=512)
+    return LLM(dtype="float32", num_kv_blocks=512)
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_one_by_one_and_cached_rerun_match(llm: LLM, reference: Any, prompts: li
 
 
 def test_prefix_caching_off_matches(reference: Any, prompts: list[list[int]], expected: list[list[int]]) -> None:
-    off = LLM(num_kv_blocks=512, enable_prefix_caching=False)
+    off = LLM(dtype="float32", num_kv_blocks=512, enable_prefix_caching=False)
     outs = off.generate(prompt_token_ids=prompts, sampling_params=_params())
     assert off.stats()["prefix_cache_hit_tokens"] == 0
     for ids, want, out in zip(prompts, expected, outs, strict=True):
@@ -127,7 +127,7 @@ def test_preemption_matches(mode: str, reference: Any, prompts: list[list[int]],
                             expected: list[list[int]]) -> None:
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     blocks = -(-longest // 16) + 4  # room for the longest request and little else
-    tiny = LLM(num_kv_blocks=blocks, max_model_len=longest + 16, preemption_mode=mode,
+    tiny = LLM(dtype="float32", num_kv_blocks=blocks, max_model_len=longest + 16, preemption_mode=mode,
                max_num_batched_tokens=256)
     outs = tiny.generate(prompt_token_ids=prompts, sampling_params=_params())
     stats = tiny.stats()
