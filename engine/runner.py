@@ -18,7 +18,7 @@ from torch import Tensor
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.plan import ScheduledSeq, SchedulerOutput
 from kernels import AttentionBackend
 
 

@@ -15,44 +15,12 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, BlockPlan
 from engine.config import SchedulerConfig
+from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestStatus, Sequence, SequenceGroup
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting``; the caller should retry later."""
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    group: SequenceGroup
-    seq: Sequence
-    start: int  # first position computed this step
-    num_new_tokens: int
-    block_table: tuple[int, ...]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step computes the sequence's last known token, whose logits pick the next."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    scheduled: tuple[ScheduledSeq, ...] = ()
-    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device, cpu)
-    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (cpu, device)
-    blocks_to_copy: tuple[tuple[int, int], ...] = ()  # (src, dst) on device
-    preempted: tuple[str, ...] = ()
-    # Requests that can never fit in the pool (even alone); finished with reason "length".
-    ignored: tuple[SequenceGroup, ...] = ()
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 @dataclass
