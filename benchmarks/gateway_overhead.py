@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: run as the load client
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
+    # Run as a script, this file's folder comes first on sys.path: put the checkout it lives in before
+    # any installed copy of chatsvc, so the code measured is this checkout's.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.client:
         asyncio.run(client_main(args.client, args.modes[0], args.streams, args.tokens))
         return

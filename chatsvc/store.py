@@ -12,9 +12,11 @@ Keys (prefix ``chatsvc:``):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,14 +201,115 @@ class Store:
             res = await pipe.execute()
         return str(res[0])
 
+    async def append_events(self, items: Sequence[tuple[str, str]]) -> list[str]:
+        """XADD every (stream key, event JSON) in order, in one MULTI/EXEC round trip; returns their ids.
+
+        Each stream's TTL is refreshed once, after its last event of the batch.
+        """
+        last = {key: i for i, (key, _) in enumerate(items)}
+        slots: list[int] = []  # where each XADD's reply sits among the pipeline's replies
+        async with self.r.pipeline(transaction=True) as pipe:
+            for i, (key, data) in enumerate(items):
+                slots.append(len(pipe))
+                pipe.xadd(key, {"e": data})
+                if last[key] == i:
+                    pipe.expire(key, self.stream_ttl_s)
+            res = await pipe.execute()
+        return [str(res[j]) for j in slots]
+
     async def read_events(self, sid: str, turn: int, after: str, block_ms: int) -> list[tuple[str, dict[str, Any]]]:
         """Events after stream id ``after`` ("0" = from the start), waiting up to ``block_ms`` for new ones."""
+        return [(eid, ev) for eid, ev, _ in await self.read_events_json(sid, turn, after, block_ms)]
+
+    async def read_events_json(self, sid: str, turn: int, after: str,
+                               block_ms: int) -> list[tuple[str, dict[str, Any], str]]:
+        """:meth:`read_events`, with each event's JSON as stored: (stream id, event, JSON)."""
         # XREAD BLOCK 0 would wait forever: 0 here means "do not block".
         res = await self.r.xread({self.stream_key(sid, turn): after}, block=block_ms or None, count=256)
-        out: list[tuple[str, dict[str, Any]]] = []
+        out: list[tuple[str, dict[str, Any], str]] = []
         for _key, entries in res or []:
-            out.extend((eid, json.loads(fields["e"])) for eid, fields in entries)
+            out.extend((eid, json.loads(fields["e"]), fields["e"]) for eid, fields in entries)
         return out
 
     async def stream_exists(self, sid: str, turn: int) -> bool:
         return bool(await self.r.exists(self.stream_key(sid, turn)))
+
+
+# Called once per event with (stream id, None) once it is stored, or (None, error) if it was not.
+WriteCallback = Callable[[str | None, BaseException | None], None]
+
+
+class EventWriter:
+    """Writes reply events to their streams, coalescing everything appended while a write is in flight
+    (and everything appended in the same event-loop pass) into one :meth:`Store.append_events` pipeline.
+
+    An engine step hands every running turn its delta at once; written one XADD transaction per delta,
+    the gateway spent several socket round trips per token. Events of one stream are written in the
+    order they were appended. Once a write of a stream failed, its later events are refused (they would
+    leave a gap a resuming reader could not see), except a ``final`` one: the terminal event that says
+    how the reply ended.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._queue: list[tuple[str, str, bool, WriteCallback]] = []
+        self._failed: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    def append(self, key: str, data: str, done: WriteCallback, final: bool = False) -> None:
+        """Queue one event (``data``: its JSON) for stream ``key``; ``done`` is called once it is written."""
+        self._queue.append((key, data, final, done))
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="event-writer")
+
+    async def write(self, key: str, data: str, final: bool = False) -> str:
+        """Append and wait: the event's stream id (it comes after every event appended before it)."""
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        def done(eid: str | None, exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if isinstance(exc, asyncio.CancelledError):
+                fut.cancel()
+            elif exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(str(eid))
+
+        self.append(key, data, done, final)
+        return await fut
+
+    def forget(self, key: str) -> None:
+        """The stream gets no more events: drop its failure mark."""
+        self._failed.discard(key)
+
+    async def _run(self) -> None:
+        todo: list[tuple[str, str, bool, WriteCallback]] = []
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                todo = []
+                for item in batch:
+                    if item[0] in self._failed and not item[2]:
+                        item[3](None, RuntimeError("an earlier event of this stream was not stored"))
+                    else:
+                        todo.append(item)
+                if not todo:
+                    continue
+                try:
+                    ids = await self.store.append_events([(key, data) for key, data, _, _ in todo])
+                except Exception as exc:  # noqa: BLE001 - reported to every writer of the batch
+                    self._failed.update(key for key, _, _, _ in todo)
+                    for _, _, _, done in todo:
+                        done(None, exc)
+                else:
+                    for (_, _, _, done), eid in zip(todo, ids, strict=True):
+                        done(eid, None)
+                todo = []
+        except BaseException as exc:  # cancelled (shutdown): nothing queued may wait forever
+            pending, self._queue = todo + self._queue, []
+            for _, _, _, done in pending:
+                done(None, exc)
+            raise
+        finally:
+            self._task = None

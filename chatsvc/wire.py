@@ -1,0 +1,38 @@
+"""Byte-exact renderings of the per-token wire formats, built without a dict and its JSON encoder per token.
+
+Every function here returns exactly what the generic path returns (``json.dumps`` of the same dict,
+sse-starlette's ``ServerSentEvent(...).encode()``); tests/test_gateway_wire.py compares them.
+"""
+
+from __future__ import annotations
+
+import re
+from json.encoder import encode_basestring_ascii
+
+# What json.dumps writes for a str (ensure_ascii=True, the default).
+json_str = encode_basestring_ascii
+
+# sse-starlette's line separator and its rule for what breaks a line.
+SSE_SEP = "\r\n"
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+def sse_event(data: str, event_id: str | None = None) -> bytes:
+    """One SSE event, as ``ServerSentEvent(data, id=event_id).encode()`` renders it."""
+    if _LINE_BREAK.search(data):
+        lines = "".join(f"data: {chunk}{SSE_SEP}" for chunk in _LINE_BREAK.split(data))
+    else:
+        lines = "data: " + data + SSE_SEP
+    if event_id is not None:
+        lines = "id: " + _LINE_BREAK.sub("", event_id) + SSE_SEP + lines
+    return (lines + SSE_SEP).encode()
+
+
+def delta_event(text: str, tokens: int) -> str:
+    """``json.dumps({"type": "delta", "text": text, "tokens": tokens})``: a session reply's delta event."""
+    return '{"type": "delta", "text": ' + json_str(text) + ', "tokens": ' + str(tokens) + "}"
+
+
+def delta_frame(text: str, event_id: str) -> str:
+    """``json.dumps({"type": "delta", "text": text, "id": event_id})``: the WebSocket delta frame."""
+    return '{"type": "delta", "text": ' + json_str(text) + ', "id": ' + json_str(event_id) + "}"
