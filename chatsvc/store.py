@@ -201,8 +201,9 @@ class Store:
             res = await pipe.execute()
         return str(res[0])
 
-    async def append_events(self, items: Sequence[tuple[str, str]]) -> list[str]:
-        """XADD every (stream key, event JSON) in order, in one MULTI/EXEC round trip; returns their ids.
+    async def append_events(self, items: Sequence[tuple[str, str]]) -> list[str | Exception]:
+        """XADD every (stream key, event JSON) in order, in one MULTI/EXEC round trip. Returns each one's
+        stream id, or the error Redis answered for that XADD alone; a lost connection raises.
 
         Each stream's TTL is refreshed once, after its last event of the batch.
         """
@@ -214,8 +215,8 @@ class Store:
                 pipe.xadd(key, {"e": data})
                 if last[key] == i:
                     pipe.expire(key, self.stream_ttl_s)
-            res = await pipe.execute()
-        return [str(res[j]) for j in slots]
+            res = await pipe.execute(raise_on_error=False)
+        return [res[j] if isinstance(res[j], Exception) else str(res[j]) for j in slots]
 
     async def read_events(self, sid: str, turn: int, after: str, block_ms: int) -> list[tuple[str, dict[str, Any]]]:
         """Events after stream id ``after`` ("0" = from the start), waiting up to ``block_ms`` for new ones."""
@@ -296,15 +297,17 @@ class EventWriter:
                         todo.append(item)
                 if not todo:
                     continue
+                results: list[str | Exception]
                 try:
-                    ids = await self.store.append_events([(key, data) for key, data, _, _ in todo])
-                except Exception as exc:  # noqa: BLE001 - reported to every writer of the batch
-                    self._failed.update(key for key, _, _, _ in todo)
-                    for _, _, _, done in todo:
-                        done(None, exc)
-                else:
-                    for (_, _, _, done), eid in zip(todo, ids, strict=True):
-                        done(eid, None)
+                    results = await self.store.append_events([(key, data) for key, data, _, _ in todo])
+                except Exception as exc:  # noqa: BLE001 - the whole batch is lost: every writer hears
+                    results = [exc] * len(todo)
+                for (key, _, _, done), res in zip(todo, results, strict=True):
+                    if isinstance(res, Exception):
+                        self._failed.add(key)
+                        done(None, res)
+                    else:
+                        done(res, None)
                 todo = []
         except BaseException as exc:  # cancelled (shutdown): nothing queued may wait forever
             pending, self._queue = todo + self._queue, []

@@ -36,3 +36,28 @@ def delta_event(text: str, tokens: int) -> str:
 def delta_frame(text: str, event_id: str) -> str:
     """``json.dumps({"type": "delta", "text": text, "id": event_id})``: the WebSocket delta frame."""
     return '{"type": "delta", "text": ' + json_str(text) + ', "id": ' + json_str(event_id) + "}"
+
+
+class ChunkTemplate:
+    """An OpenAI streaming chunk with one choice, as ``json.dumps`` renders the dict the routes build:
+    the parts fixed for a request (id, object, created, model, usage) are encoded once."""
+
+    def __init__(self, request_id: str, obj: str, created: int, model: str, include_usage: bool) -> None:
+        self.head = (f'{{"id": {json_str(request_id)}, "object": {json_str(obj)}, "created": {created}, '
+                     f'"model": {json_str(model)}, "choices": [{{"index": ')
+        self.tail = '}], "usage": null}' if include_usage else "}]}"
+
+    @staticmethod
+    def _reason(finish_reason: str | None) -> str:
+        return "null" if finish_reason is None else json_str(finish_reason)
+
+    def chat(self, index: int, content: str, first: bool, finish_reason: str | None) -> str:
+        """``{"index", "delta": {["role": "assistant",] "content"}, "logprobs": null, "finish_reason"}``."""
+        delta = ', "delta": {"role": "assistant", "content": ' if first else ', "delta": {"content": '
+        return (self.head + str(index) + delta + json_str(content) + '}, "logprobs": null, "finish_reason": '
+                + self._reason(finish_reason) + self.tail)
+
+    def completion(self, index: int, text: str, finish_reason: str | None) -> str:
+        """``{"index", "text", "logprobs": null, "finish_reason"}``."""
+        return (self.head + str(index) + ', "text": ' + json_str(text) + ', "logprobs": null, "finish_reason": '
+                + self._reason(finish_reason) + self.tail)
