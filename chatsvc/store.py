@@ -21,8 +21,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 P = "chatsvc:"
+
+# KEYS: one stream key per event; ARGV: the events' JSON, then the TTL. An XADD that fails comes back
+# as "!<error>" in its place (stream ids never start with "!"), so the others still stand.
+_APPEND_EVENTS_LUA = """
+local ttl = ARGV[#ARGV]
+local out = {}
+local seen = {}
+for i, key in ipairs(KEYS) do
+  local id = redis.pcall('XADD', key, '*', 'e', ARGV[i])
+  if type(id) == 'table' and id.err then out[i] = '!' .. id.err else out[i] = id end
+  seen[key] = true
+end
+for key in pairs(seen) do redis.pcall('EXPIRE', key, ttl) end
+return out
+"""
 
 
 @dataclass
@@ -47,6 +63,7 @@ class Store:
         self.r: Any = redis
         self.session_ttl_s = session_ttl_s
         self.stream_ttl_s = stream_ttl_s
+        self._append_script: Any = None
 
     @classmethod
     def from_url(cls, url: str, session_ttl_s: int = 7 * 24 * 3600, stream_ttl_s: int = 300) -> Store:
@@ -202,21 +219,17 @@ class Store:
         return str(res[0])
 
     async def append_events(self, items: Sequence[tuple[str, str]]) -> list[str | Exception]:
-        """XADD every (stream key, event JSON) in order, in one MULTI/EXEC round trip. Returns each one's
-        stream id, or the error Redis answered for that XADD alone; a lost connection raises.
+        """XADD every (stream key, event JSON) in order, in one command (a Lua script: atomic, and one
+        reply to parse instead of several per event). Returns each one's stream id, or the error Redis
+        answered for that XADD alone; a lost connection raises.
 
-        Each stream's TTL is refreshed once, after its last event of the batch.
+        Each stream's TTL is refreshed once per batch, after its events.
         """
-        last = {key: i for i, (key, _) in enumerate(items)}
-        slots: list[int] = []  # where each XADD's reply sits among the pipeline's replies
-        async with self.r.pipeline(transaction=True) as pipe:
-            for i, (key, data) in enumerate(items):
-                slots.append(len(pipe))
-                pipe.xadd(key, {"e": data})
-                if last[key] == i:
-                    pipe.expire(key, self.stream_ttl_s)
-            res = await pipe.execute(raise_on_error=False)
-        return [res[j] if isinstance(res[j], Exception) else str(res[j]) for j in slots]
+        if self._append_script is None:
+            self._append_script = self.r.register_script(_APPEND_EVENTS_LUA)
+        res = await self._append_script(keys=[key for key, _ in items],
+                                        args=[*(data for _, data in items), self.stream_ttl_s])
+        return [ResponseError(eid[1:]) if eid.startswith("!") else eid for eid in res]
 
     async def read_events(self, sid: str, turn: int, after: str, block_ms: int) -> list[tuple[str, dict[str, Any]]]:
         """Events after stream id ``after`` ("0" = from the start), waiting up to ``block_ms`` for new ones."""
@@ -242,7 +255,7 @@ WriteCallback = Callable[[str | None, BaseException | None], None]
 
 class EventWriter:
     """Writes reply events to their streams, coalescing everything appended while a write is in flight
-    (and everything appended in the same event-loop pass) into one :meth:`Store.append_events` pipeline.
+    (and everything appended in the same event-loop pass) into one :meth:`Store.append_events` call.
 
     An engine step hands every running turn its delta at once; written one XADD transaction per delta,
     the gateway spent several socket round trips per token. Events of one stream are written in the

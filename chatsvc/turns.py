@@ -8,7 +8,7 @@ WebSocket close by the last reader. When the last reader vanishes otherwise (SSE
 dropped socket), the turn keeps generating for ``abort_grace_s`` and is aborted unless a client
 resumes it within that time. Either way the assistant message is stored with the text so far.
 
-Events are written through the registry's :class:`EventWriter` (one Redis pipeline for the deltas of
+Events are written through the registry's :class:`EventWriter` (one Redis command for the deltas of
 all turns that arrive together). A reader in this process of a turn running here follows the turn's
 in-memory log of stored events instead of polling Redis per token; it sees the same ids and events,
 and falls back to the Redis stream if the turn ends without its terminal event in that log.
@@ -151,7 +151,7 @@ class TurnRegistry:
                 parts.append(d.text)
                 if d.finished:
                     reason = d.finish_reason or "stop"
-                # Not awaited: deltas of every turn that arrive together share one pipeline.
+                # Not awaited: deltas of every turn that arrive together share one Redis command.
                 n = len(d.token_ids)
                 self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
             if at.unwritten:

@@ -1,5 +1,5 @@
 """Reply events written in batches on a real Redis: EventWriter stores every event exactly once, in order,
-in one pipeline per batch; readers (local log or Redis) resuming from any id see no gap or duplicate."""
+in one command per batch; readers (local log or Redis) resuming from any id see no gap or duplicate."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from chatsvc.turns import ActiveTurn, TurnRegistry, event_id
 
 
 class CountingStore(Store):
-    """The real store, counting the pipelines the writer sends."""
+    """The real store, counting the batches the writer sends."""
 
     batches: list[int]
 
