@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,7 +20,7 @@ from chatsvc.context import Gateway, gateway, parse, read_json, resolve_max_toke
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, usage
-from chatsvc.wire import ChunkTemplate, sse_event
+from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -93,7 +92,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         # The background close also aborts a request whose client left before the stream began.
-        return EventSourceResponse(_chat_stream(gw, gen, req, rid, created, model), ping=10,
+        return EventStream(_chat_stream(gw, gen, req, rid, created, model), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen)
     toks = _Tokens(gw.engine.tokenizer)
@@ -212,7 +211,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return EventSourceResponse(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10,
+        return EventStream(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen, echo)
     toks = _Tokens(tok)

@@ -6,7 +6,6 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -18,7 +17,7 @@ from chatsvc.personas import DEFAULT_PERSONA
 from chatsvc.schemas import PersonaBody, SessionCreate, SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.turns import ActiveTurn, parse_event_id
-from chatsvc.wire import sse_event
+from chatsvc.wire import EventStream, sse_event
 
 PERSONA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -158,7 +157,7 @@ def _sse_response(gw: Gateway, at: ActiveTurn | None, turn: int, after: str, ses
             gw.metrics.open_sse.dec()
             release()
 
-    return EventSourceResponse(events(), ping=10, background=BackgroundTask(release))
+    return EventStream(events(), ping=10, background=BackgroundTask(release))
 
 
 async def cancel_reply(request: Request) -> JSONResponse:

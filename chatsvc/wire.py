@@ -1,4 +1,5 @@
-"""Byte-exact renderings of the per-token wire formats, built without a dict and its JSON encoder per token.
+"""The per-token wire formats, rendered without a dict, a JSON encoder or an SSE event object per token,
+and the SSE response that sends them.
 
 Every function here returns exactly what the generic path returns (``json.dumps`` of the same dict,
 sse-starlette's ``ServerSentEvent(...).encode()``); tests/test_gateway_wire.py compares them.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import re
 from json.encoder import encode_basestring_ascii
+
+from sse_starlette import EventSourceResponse
+from starlette.types import Message, Send
 
 # What json.dumps writes for a str (ensure_ascii=True, the default).
 json_str = encode_basestring_ascii
@@ -61,3 +65,15 @@ class ChunkTemplate:
         """``{"index", "text", "logprobs": null, "finish_reason"}``."""
         return (self.head + str(index) + ', "text": ' + json_str(text) + ', "logprobs": null, "finish_reason": '
                 + self._reason(finish_reason) + self.tail)
+
+
+class EventStream(EventSourceResponse):
+    """sse-starlette's response without a cancel scope per sent event when no send timeout is set (as
+    here): ``anyio.move_on_after(None)`` never fires, but entering and leaving it cost more per token
+    than rendering the event."""
+
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)

@@ -96,3 +96,38 @@ def test_session_delta_event_and_ws_frame_match_json_dumps() -> None:
         assert delta_event(text, i % 4) == json.dumps({"type": "delta", "text": text, "tokens": i % 4})
         eid = f"{i}:1764528000000-{i}"
         assert delta_frame(text, eid) == json.dumps({"type": "delta", "text": text, "id": eid})
+
+
+async def test_event_stream_sends_the_same_bytes_as_event_source_response() -> None:
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.routing import Route
+
+    from chatsvc.wire import EventStream
+
+    # The override must replace a method the library has (a renamed one would silently do nothing).
+    assert "_send_with_timeout" in vars(EventSourceResponse)
+    texts = ALL_TEXTS[:40]
+
+    async def rendered() -> Any:
+        for i, text in enumerate(texts):
+            yield sse_event(json.dumps({"text": text}), f"1:{i}-0")
+        yield {"data": "[DONE]"}
+
+    async def generic() -> Any:
+        for i, text in enumerate(texts):
+            yield {"id": f"1:{i}-0", "data": json.dumps({"text": text})}
+        yield {"data": "[DONE]"}
+
+    async def fast(request: Request) -> EventStream:
+        return EventStream(rendered(), ping=10)
+
+    async def reference(request: Request) -> EventSourceResponse:
+        return EventSourceResponse(generic(), ping=10)
+
+    app = Starlette(routes=[Route("/fast", fast), Route("/ref", reference)])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        a, b = await client.get("/fast"), await client.get("/ref")
+    assert a.status_code == b.status_code == 200 and a.headers == b.headers
+    assert a.content == b.content and a.content.endswith(b"data: [DONE]\r\n\r\n")
