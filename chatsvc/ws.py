@@ -119,7 +119,7 @@ class Connection:
 
     async def _pump(self, sid: str, turn: int, after: str, at: ActiveTurn | None) -> None:
         try:
-            async for eid, ev in self.gw.turns.follow(sid, turn, after):
+            async for eid, ev, _ in self.gw.turns.follow_json(sid, turn, after):
                 if ev["type"] == "delta":
                     await self.send_text(delta_frame(ev["text"], eid))
                 elif ev["type"] == "done":
