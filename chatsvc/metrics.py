@@ -63,10 +63,11 @@ class Metrics:
                              registry=r, buckets=_LATENCY_BUCKETS)
         self.finished = Counter("chatsvc_requests_finished", "Finished requests by reason", ["reason"], registry=r)
         self.open_streams = Gauge("chatsvc_open_streams", "Open client streams", ["transport"], registry=r)
-        for reason in ("stop", "length", "abort", "error"):
-            self.finished.labels(reason)
-        for transport in ("sse", "ws"):
-            self.open_streams.labels(transport)
+        # Label children resolved once: streams open and close often.
+        self.open_sse = self.open_streams.labels("sse")
+        self.open_ws = self.open_streams.labels("ws")
+        self.finished_by_reason = {reason: self.finished.labels(reason) for reason in ("stop", "length", "abort",
+                                                                                      "error")}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -97,4 +98,5 @@ class RequestTimer:
 
     def finish(self, reason: str) -> None:
         self.metrics.e2e.observe(time.monotonic() - self.start)
-        self.metrics.finished.labels(reason).inc()
+        child = self.metrics.finished_by_reason.get(reason)
+        (child if child is not None else self.metrics.finished.labels(reason)).inc()

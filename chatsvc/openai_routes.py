@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -21,6 +20,7 @@ from chatsvc.context import Gateway, gateway, parse, read_json, resolve_max_toke
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, usage
+from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -92,7 +92,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         # The background close also aborts a request whose client left before the stream began.
-        return EventSourceResponse(_chat_stream(gw, gen, req, rid, created, model), ping=10,
+        return EventStream(_chat_stream(gw, gen, req, rid, created, model), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen)
     toks = _Tokens(gw.engine.tokenizer)
@@ -150,24 +150,28 @@ def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
 
 
 async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
-                       model: str) -> AsyncIterator[dict[str, str]]:
+                       model: str) -> AsyncIterator[dict[str, str] | bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     toks = _Tokens(gw.engine.tokenizer)
+    template = ChunkTemplate(rid, "chat.completion.chunk", created, model, include_usage)
     started: set[int] = set()
     last: dict[int, Any] = {}
-    gw.metrics.open_streams.labels("sse").inc()
+    gw.metrics.open_sse.inc()
     try:
         async for d in gen.deltas():
             last[d.index] = d
-            delta: dict[str, Any] = {}
-            if d.index not in started:
+            first = d.index not in started
+            if first:
                 started.add(d.index)
-                delta["role"] = "assistant"
-            delta["content"] = d.text
-            choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None,
-                                      "finish_reason": d.finish_reason if d.finished else None}
-            if req.logprobs:
-                choice["logprobs"] = {"content": toks.chat(d.token_ids, d.logprobs, req.top_logprobs or 0)}
+            reason = d.finish_reason if d.finished else None
+            if not req.logprobs:
+                yield sse_event(template.chat(d.index, d.text, first, reason))
+                continue
+            delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+            choice: dict[str, Any] = {"index": d.index, "delta": delta,
+                                      "logprobs": {"content": toks.chat(d.token_ids, d.logprobs,
+                                                                        req.top_logprobs or 0)},
+                                      "finish_reason": reason}
             chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                      "model": model, "choices": [choice]}
             if include_usage:
@@ -178,7 +182,7 @@ async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest,
                                        "model": model, "choices": [], "usage": _usage(last, 0)})}
         yield {"data": "[DONE]"}
     finally:
-        gw.metrics.open_streams.labels("sse").dec()
+        gw.metrics.open_sse.dec()
         await gen.close()
 
 
@@ -207,7 +211,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return EventSourceResponse(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10,
+        return EventStream(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen, echo)
     toks = _Tokens(tok)
@@ -219,13 +223,14 @@ async def completions(request: Request) -> Response:
 
 
 async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionRequest, rid: str, created: int,
-                             model: str, echo: str) -> AsyncIterator[dict[str, str]]:
+                             model: str, echo: str) -> AsyncIterator[dict[str, str] | bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     toks = _Tokens(gw.engine.tokenizer)
+    template = ChunkTemplate(rid, "text_completion", created, model, include_usage)
     started: set[int] = set()
     offsets: dict[int, int] = {}
     last: dict[int, Any] = {}
-    gw.metrics.open_streams.labels("sse").inc()
+    gw.metrics.open_sse.inc()
     try:
         async for d in gen.deltas():
             last[d.index] = d
@@ -233,12 +238,15 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
             if d.index not in started:
                 started.add(d.index)
                 text = echo + text
-            choice: dict[str, Any] = {"index": d.index, "text": text, "logprobs": None,
-                                      "finish_reason": d.finish_reason if d.finished else None}
-            if req.logprobs is not None:
-                off = offsets.get(d.index, len(echo))
-                choice["logprobs"] = toks.completion(d.token_ids, d.logprobs, req.logprobs, off)
-                offsets[d.index] = off + len(d.text)
+            reason = d.finish_reason if d.finished else None
+            if req.logprobs is None:
+                yield sse_event(template.completion(d.index, text, reason))
+                continue
+            off = offsets.get(d.index, len(echo))
+            choice: dict[str, Any] = {"index": d.index, "text": text,
+                                      "logprobs": toks.completion(d.token_ids, d.logprobs, req.logprobs, off),
+                                      "finish_reason": reason}
+            offsets[d.index] = off + len(d.text)
             chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                                      "choices": [choice]}
             if include_usage:
@@ -249,7 +257,7 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
                                        "model": model, "choices": [], "usage": _usage(last, 0)})}
         yield {"data": "[DONE]"}
     finally:
-        gw.metrics.open_streams.labels("sse").dec()
+        gw.metrics.open_sse.dec()
         await gen.close()
 
 

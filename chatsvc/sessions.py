@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -19,6 +17,7 @@ from chatsvc.personas import DEFAULT_PERSONA
 from chatsvc.schemas import PersonaBody, SessionCreate, SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.turns import ActiveTurn, parse_event_id
+from chatsvc.wire import EventStream, sse_event
 
 PERSONA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -149,16 +148,16 @@ def _sse_response(gw: Gateway, at: ActiveTurn | None, turn: int, after: str, ses
             released = True
             gw.turns.detach(at, abort_now=False)
 
-    async def events() -> AsyncIterator[dict[str, str]]:
-        gw.metrics.open_streams.labels("sse").inc()
+    async def events() -> AsyncIterator[bytes]:
+        gw.metrics.open_sse.inc()
         try:
-            async for eid, ev in gw.turns.follow(session_id, turn, after):
-                yield {"id": eid, "data": json.dumps(ev)}
+            async for eid, _, data in gw.turns.follow_json(session_id, turn, after):
+                yield sse_event(data, eid)  # the stored JSON, framed once: no re-encoding per token
         finally:
-            gw.metrics.open_streams.labels("sse").dec()
+            gw.metrics.open_sse.dec()
             release()
 
-    return EventSourceResponse(events(), ping=10, background=BackgroundTask(release))
+    return EventStream(events(), ping=10, background=BackgroundTask(release))
 
 
 async def cancel_reply(request: Request) -> JSONResponse:

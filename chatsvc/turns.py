@@ -7,13 +7,20 @@ Abort policy: a turn counts its readers. An explicit cancel aborts at once, and 
 WebSocket close by the last reader. When the last reader vanishes otherwise (SSE disconnect, a
 dropped socket), the turn keeps generating for ``abort_grace_s`` and is aborted unless a client
 resumes it within that time. Either way the assistant message is stored with the text so far.
+
+Events are written through the registry's :class:`EventWriter` (one Redis command for the deltas of
+all turns that arrive together). A reader in this process of a turn running here follows the turn's
+in-memory log of stored events instead of polling Redis per token; it sees the same ids and events,
+and falls back to the Redis stream if the turn ends without its terminal event in that log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,10 +32,12 @@ from chatsvc.generation import Generation
 from chatsvc.metrics import Metrics
 from chatsvc.schemas import SamplingFields, usage
 from chatsvc.settings import Settings
-from chatsvc.store import SessionMeta, Store
+from chatsvc.store import EventWriter, SessionMeta, Store
+from chatsvc.wire import delta_event
 
 log = logging.getLogger("chatsvc.turns")
 TERMINAL = ("done", "error")
+_STREAM_ID = re.compile(r"\d+-\d+")
 
 
 def event_id(turn: int, stream_id: str) -> str:
@@ -45,6 +54,11 @@ def parse_event_id(value: str | None) -> tuple[int | None, str]:
     return None, value
 
 
+def _stream_id_key(sid: str) -> tuple[int, int]:
+    ms, _, seq = sid.partition("-")
+    return int(ms), int(seq or 0)
+
+
 @dataclass
 class ActiveTurn:
     session_id: str
@@ -58,6 +72,19 @@ class ActiveTurn:
     running: bool = False
     abort_requested: bool = False
     started: float = field(default_factory=time.time)
+    # Stored events in stream order, (stream id, event, its JSON): what local readers follow.
+    log: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    closed: bool = False  # no more events will be logged
+    unwritten: int = 0  # events handed to the writer and not yet stored (or failed)
+    drained: asyncio.Future[None] | None = None
+    write_error: BaseException | None = None
+
+    def wake(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
 
 class TurnRegistry:
@@ -67,6 +94,7 @@ class TurnRegistry:
         self.metrics = metrics
         self.settings = settings
         self.active: dict[str, ActiveTurn] = {}
+        self.writer = EventWriter(store)
 
     def request_id(self, session_id: str) -> str | None:
         at = self.active.get(session_id)
@@ -112,16 +140,25 @@ class TurnRegistry:
         reason = "abort"
         last: Any = None
         at.running = True
+        key = self.store.stream_key(at.session_id, at.turn)
         try:
             if at.abort_requested:
                 raise asyncio.CancelledError
             async for d in gen.deltas():
+                if at.write_error is not None:
+                    raise at.write_error
                 last = d
                 parts.append(d.text)
                 if d.finished:
                     reason = d.finish_reason or "stop"
-                await self.store.append_event(at.session_id, at.turn,
-                                              {"type": "delta", "text": d.text, "tokens": len(d.token_ids)})
+                # Not awaited: deltas of every turn that arrive together share one Redis command.
+                n = len(d.token_ids)
+                self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
+            if at.unwritten:
+                at.drained = asyncio.get_running_loop().create_future()
+                await at.drained
+            if at.write_error is not None:
+                raise at.write_error
         except asyncio.CancelledError:
             reason = "abort"
         except Exception:
@@ -136,14 +173,43 @@ class TurnRegistry:
                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
         try:
             await self.store.end_turn(at.session_id, msg)
-            await self.store.append_event(at.session_id, at.turn,
-                                          {"type": "done", "finish_reason": reason, "usage": u, "message": msg})
+            done = {"type": "done", "finish_reason": reason, "usage": u, "message": msg}
+            stored = asyncio.get_running_loop().create_future()
+            self._emit(at, key, done, json.dumps(done), stored)
+            await stored
         except Exception:
             log.exception("could not store the reply of %s", at.request_id)
         finally:
+            at.closed = True
+            at.wake()
+            self.writer.forget(key)
             self.active.pop(at.session_id, None)
             if at.grace is not None:
                 at.grace.cancel()
+
+    def _emit(self, at: ActiveTurn, key: str, ev: dict[str, Any], data: str,
+              stored: asyncio.Future[None] | None = None) -> None:
+        """Hand one event to the writer; once stored it joins the turn's log and wakes its readers."""
+
+        def written(eid: str | None, exc: BaseException | None) -> None:
+            at.unwritten -= 1
+            if eid is not None:
+                at.log.append((eid, ev, data))
+                at.wake()
+            elif at.write_error is None:
+                at.write_error = exc
+            if at.unwritten == 0 and at.drained is not None and not at.drained.done():
+                at.drained.set_result(None)
+            if stored is not None and not stored.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    stored.cancel()
+                elif exc is not None:
+                    stored.set_exception(exc)
+                else:
+                    stored.set_result(None)
+
+        at.unwritten += 1
+        self.writer.append(key, data, written, final=stored is not None)
 
     # -- readers ----------------------------------------------------------------------------------
     def attach(self, session_id: str, turn: int) -> ActiveTurn | None:
@@ -194,24 +260,52 @@ class TurnRegistry:
 
     async def follow(self, session_id: str, turn: int, after: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Events of one reply after stream id ``after``, until its done/error event (or until it is gone)."""
+        async for eid, ev, _ in self.follow_json(session_id, turn, after):
+            yield eid, ev
+
+    async def follow_json(self, session_id: str, turn: int,
+                          after: str) -> AsyncIterator[tuple[str, dict[str, Any], str]]:
+        """:meth:`follow`, with each event's JSON as stored."""
+        at = self.active.get(session_id)
+        if at is not None and at.turn == turn and (after == "0" or _STREAM_ID.fullmatch(after)):
+            # The turn runs here: follow its log; what it holds is exactly the stream's content so far.
+            mark = _stream_id_key(after)
+            i = next((j for j, (sid, _, _) in enumerate(at.log) if _stream_id_key(sid) > mark), len(at.log))
+            while True:
+                while i < len(at.log):
+                    sid, ev, data = at.log[i]
+                    i += 1
+                    after = sid
+                    yield event_id(turn, sid), ev, data
+                    if ev["type"] in TERMINAL:
+                        return
+                if at.closed:
+                    break  # ended without its terminal event logged: Redis says what is left
+                waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                at.waiters.append(waiter)
+                await waiter
+        async for item in self._follow_redis(session_id, turn, after):
+            yield item
+
+    async def _follow_redis(self, session_id: str, turn: int,
+                            after: str) -> AsyncIterator[tuple[str, dict[str, Any], str]]:
         while True:
-            events = await self.store.read_events(session_id, turn, after, block_ms=1000)
+            events = await self.store.read_events_json(session_id, turn, after, block_ms=1000)
             if not events:
                 at = self.active.get(session_id)
                 if at is None or at.turn != turn:
                     # Finished (or never ran here): drain what is left without blocking, then stop.
-                    events = await self.store.read_events(session_id, turn, after, block_ms=0) \
+                    events = await self.store.read_events_json(session_id, turn, after, block_ms=0) \
                         if await self.store.stream_exists(session_id, turn) else []
                     if not events:
                         # The reply ended without its done/error event (the server restarted
                         # mid-reply, or the stream expired): say so rather than go quiet.
-                        yield event_id(turn, after), {
-                            "type": "error", "code": "stream_ended",
-                            "message": "this reply is no longer being generated; send the message again",
-                        }
+                        ended = {"type": "error", "code": "stream_ended",
+                                 "message": "this reply is no longer being generated; send the message again"}
+                        yield event_id(turn, after), ended, json.dumps(ended)
                         return
-            for sid, ev in events:
+            for sid, ev, data in events:
                 after = sid
-                yield event_id(turn, sid), ev
+                yield event_id(turn, sid), ev, data
                 if ev.get("type") in TERMINAL:
                     return

@@ -21,6 +21,7 @@ from chatsvc.schemas import SessionMessage
 from chatsvc.sessions import create_session, session_view
 from chatsvc.store import SessionMeta
 from chatsvc.turns import ActiveTurn, parse_event_id
+from chatsvc.wire import delta_frame
 
 log = logging.getLogger("chatsvc.ws")
 # Close codes that mean the client meant to leave: its generation is aborted at once.
@@ -39,8 +40,11 @@ class Connection:
         self.closing = False
 
     async def send(self, frame: dict[str, Any]) -> None:
+        await self.send_text(json.dumps(frame))
+
+    async def send_text(self, text: str) -> None:
         async with self.send_lock:
-            await self.ws.send_text(json.dumps(frame))
+            await self.ws.send_text(text)
 
     async def error(self, code: str, message: str) -> None:
         await self.send({"type": "error", "code": code, "message": message})
@@ -115,9 +119,9 @@ class Connection:
 
     async def _pump(self, sid: str, turn: int, after: str, at: ActiveTurn | None) -> None:
         try:
-            async for eid, ev in self.gw.turns.follow(sid, turn, after):
+            async for eid, ev, _ in self.gw.turns.follow_json(sid, turn, after):
                 if ev["type"] == "delta":
-                    await self.send({"type": "delta", "text": ev["text"], "id": eid})
+                    await self.send_text(delta_frame(ev["text"], eid))
                 elif ev["type"] == "done":
                     await self.send({"type": "done", "finish_reason": ev["finish_reason"], "usage": ev["usage"],
                                      "id": eid, "message": ev.get("message")})
@@ -167,7 +171,7 @@ async def ws_endpoint(websocket: WebSocket) -> None:
             return
     await websocket.accept(subprotocol=subprotocol)
     conn = Connection(websocket, gw, owner)
-    gw.metrics.open_streams.labels("ws").inc()
+    gw.metrics.open_ws.inc()
     code = 1006
     try:
         while True:
@@ -179,7 +183,7 @@ async def ws_endpoint(websocket: WebSocket) -> None:
     except WebSocketDisconnect as exc:
         code = exc.code
     finally:
-        gw.metrics.open_streams.labels("ws").dec()
+        gw.metrics.open_ws.dec()
         await conn.close(code)
 
 

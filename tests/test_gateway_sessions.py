@@ -102,3 +102,38 @@ def test_session_reply_stream_and_replay_by_last_event_id(server: LiveServer) ->
 
 def test_no_web_dir_means_no_ui_route(server: LiveServer) -> None:
     assert httpx.get(server.url + "/").status_code == 404
+
+
+def without_pings(raw: bytes) -> bytes:
+    """The stream minus keep-alive comments, which depend on timing."""
+    return b"".join(e + b"\r\n\r\n" for e in raw.split(b"\r\n\r\n") if e and not e.startswith(b":"))
+
+
+def test_concurrent_replies_batched_together_replay_identically_from_redis(server: LiveServer) -> None:
+    """Replies running at once share Redis writes; what each live reader saw (from the turn's log) is exactly
+    what a later replay reads back from its Redis stream: same ids, same bytes, nothing missing or repeated."""
+    import concurrent.futures
+
+    def one(i: int) -> tuple[str, bytes, list[tuple[str | None, dict]]]:
+        sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+        with httpx.stream("POST", f"{server.url}/v1/sessions/{sid}/messages",
+                          json={"content": f"count to {i}", "max_tokens": 12, "ignore_eos": True}, timeout=60) as r:
+            raw = without_pings(r.read())
+        return sid, raw, sse(httpx.Response(200, content=raw))
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    for sid, raw, events in results:
+        assert [e["type"] for _, e in events] == ["delta"] * 12 + ["done"]
+        ids = [eid for eid, _ in events]
+        keys = [tuple(int(p) for p in str(eid).split(":")[1].split("-")) for eid in ids]
+        assert keys == sorted(set(keys))  # strictly increasing: no duplicate, no reordering
+        text = "".join(e.get("text", "") for _, e in events)
+        assert events[-1][1]["message"]["content"] == text
+        # Now the turn is over: the same request reads Redis, and must get the same bytes.
+        with httpx.stream("GET", f"{server.url}/v1/sessions/{sid}/stream", headers={"Last-Event-ID": "1:0"},
+                          timeout=30) as r:
+            assert without_pings(r.read()) == raw
+        with httpx.stream("GET", f"{server.url}/v1/sessions/{sid}/stream", headers={"Last-Event-ID": ids[4]},
+                          timeout=30) as r:
+            assert sse(httpx.Response(200, content=r.read())) == events[5:]
