@@ -30,6 +30,7 @@ from chatsvc.personas import Personas, pin_key
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 from chatsvc.turns import TurnRegistry
+from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.app")
 
@@ -121,7 +122,7 @@ async def _sync_personas(gw: Gateway) -> None:
             await asyncio.sleep(2.0)
 
 
-def create_app(engine: Any, store: Store, settings: Settings | None = None) -> Starlette:
+def create_app(engine: EngineClient, store: Store, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     m = Metrics(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys), metrics=m,

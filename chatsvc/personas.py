@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from chatsvc.store import Store
+from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.personas")
 
@@ -65,7 +66,7 @@ def pin_key(name: str) -> str:
 class Personas:
     """Keeps the engine's pinned prefixes in step with the personas stored in Redis."""
 
-    def __init__(self, engine: Any, store: Store) -> None:
+    def __init__(self, engine: EngineClient, store: Store) -> None:
         self.engine = engine
         self.store = store
         self.pinned: dict[str, int] = {}  # persona name -> pinned tokens

@@ -26,6 +26,7 @@ from chatsvc.metrics import Metrics
 from chatsvc.schemas import SamplingFields, usage
 from chatsvc.settings import Settings
 from chatsvc.store import SessionMeta, Store
+from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.turns")
 TERMINAL = ("done", "error")
@@ -61,7 +62,7 @@ class ActiveTurn:
 
 
 class TurnRegistry:
-    def __init__(self, engine: Any, store: Store, metrics: Metrics, settings: Settings) -> None:
+    def __init__(self, engine: EngineClient, store: Store, metrics: Metrics, settings: Settings) -> None:
         self.engine = engine
         self.store = store
         self.metrics = metrics
