@@ -41,7 +41,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -164,12 +164,15 @@ def default_engine_threads() -> int:
 
 
 def find_tcmalloc(dirs: tuple[str, ...] = TCMALLOC_DIRS) -> str | None:
-    """Path (or soname) of an installed tcmalloc, preferring the minimal build; None if there is none."""
-    for name in ("tcmalloc_minimal", "tcmalloc"):
+    """Path of an installed tcmalloc (the minimal build first) in ``dirs``, else a soname the dynamic
+    linker knows; None if there is none. The library is used when present, never installed."""
+    names = ("tcmalloc_minimal", "tcmalloc")
+    for name in names:
         for d in dirs:
             found = sorted(glob.glob(os.path.join(d, f"lib{name}.so*")))
             if found:
                 return found[0]
+    for name in names:
         soname = ctypes.util.find_library(name)
         if soname:
             return soname
@@ -301,7 +304,7 @@ class _Worker:
                 self.snapshot_now = True
 
     def _step(self) -> None:
-        self.changed = True
+        self.changed = True  # the stats moved even when the step produced no delta (a prefill chunk)
         try:
             self._deliver(self.engine.step())
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
@@ -312,6 +315,7 @@ class _Worker:
                 self.out.errors.append((group.request_id, RuntimeError(f"engine error: {exc}")))
 
     def _deliver(self, deltas: list[RequestDelta]) -> None:
+        self.changed = True
         self.out.deltas.extend(deltas)
         for delta in deltas:
             if delta.request_finished:
@@ -508,7 +512,8 @@ class ProcessEngine(EngineClient):
         sampling_params: SamplingParams,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
-    ) -> AsyncIterator[RequestDelta]:
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """As ``EngineClient.generate``; ``aclose()`` on the stream aborts the request."""
         if not self.is_running:
             raise EngineDeadError("engine is not running")
         if request_id in self._streams:
@@ -527,7 +532,7 @@ class ProcessEngine(EngineClient):
 
     async def _stream(
         self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException]
-    ) -> AsyncIterator[RequestDelta]:
+    ) -> AsyncGenerator[RequestDelta, None]:
         finished = False
         try:
             while True:
