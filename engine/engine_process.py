@@ -578,7 +578,8 @@ class ProcessEngine(EngineClient):
 
     def unpin_prefix(self, key: str) -> None:
         if self.is_running:
-            self._send(Unpin(key))
+            with contextlib.suppress(EngineDeadError):  # a dead engine holds no pins
+                self._send(Unpin(key))
 
     # -- numbers ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -589,5 +590,6 @@ class ProcessEngine(EngineClient):
         if self.is_running and now - self._snapshot_asked > SNAPSHOT_WINDOW_S / 2:
             # Asking keeps the child attaching snapshots to its outputs for the next window.
             self._snapshot_asked = now
-            self._send(WantSnapshot())
+            with contextlib.suppress(EngineDeadError):  # the last snapshot is still the best answer
+                self._send(WantSnapshot())
         return self._snapshot

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import pytest_asyncio
 from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
@@ -259,7 +260,7 @@ def gateway_server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
     with LiveServer(app) as live:
         live.engine = eng  # type: ignore[attr-defined]
         yield live
-    assert process_state(eng.pid) is None  # the app's shutdown stopped the engine process
+    assert process_state(eng.pid) is None  # no engine process is left behind
 
 
 @pytest.mark.integration
@@ -278,3 +279,13 @@ def test_gateway_streams_a_chat_completion_from_the_engine_process(gateway_serve
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
     full = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     assert full.choices[0].message.content == text and text
+    # A dead engine process: not ready, and requests are refused as unavailable rather than hanging.
+    assert httpx.get(gateway_server.url + "/ready").json()["engine"] is True
+    os.kill(gateway_server.engine.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 5
+    while httpx.get(gateway_server.url + "/ready").status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(gateway_server.url + "/ready").json()["engine"] is False
+    r = httpx.post(gateway_server.url + "/v1/chat/completions", timeout=10,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
