@@ -365,6 +365,7 @@ class ProcessEngine(EngineClient):
             self._conn.close()
             raise
         self.info = info
+        tokenizer.eos_token_ids = info.eos_token_ids  # the engine's stop tokens are the ones that count
         self.tokenizer = tokenizer
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len

@@ -161,6 +161,26 @@ async def test_pin_and_snapshot_cross_the_pipe(engine: ProcessEngine) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.asyncio(loop_scope="module")
+async def test_stop_ends_open_streams_and_leaves_no_process(engine: ProcessEngine) -> None:
+    """Last of the tests on the module's engine: it stops it (the fixture's stop() is then a no-op)."""
+    import multiprocessing
+
+    stream = engine.generate("s-0", SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True),
+                             prompt="Go on.")
+    await anext(stream)
+    await engine.stop()
+    rest = await collect(stream)
+    assert rest[-1].finish_reason == "abort"
+    assert not engine.is_running
+    assert process_state(engine.pid) is None
+    assert all(p.pid != engine.pid for p in multiprocessing.active_children())
+    with pytest.raises(EngineDeadError):
+        engine.generate("s-1", SamplingParams(), prompt="hi")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.asyncio(loop_scope="module")
 async def test_killed_child_fails_open_streams_and_is_reaped() -> None:
     eng = ProcessEngine(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
     await eng.start()
@@ -184,24 +204,6 @@ async def test_killed_child_fails_open_streams_and_is_reaped() -> None:
     assert wait_gone(eng.pid, 15)
     await eng.stop()
     assert process_state(eng.pid) is None  # reaped, not a zombie
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-@pytest.mark.asyncio(loop_scope="module")
-async def test_stop_ends_open_streams_and_leaves_no_process() -> None:
-    import multiprocessing
-
-    eng = ProcessEngine(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
-    await eng.start()
-    stream = eng.generate("s-0", SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True), prompt="Go on.")
-    await anext(stream)
-    await eng.stop()
-    rest = await collect(stream)
-    assert rest[-1].finish_reason == "abort"
-    assert not eng.is_running
-    assert process_state(eng.pid) is None
-    assert all(p.pid != eng.pid for p in multiprocessing.active_children())
 
 
 @pytest.mark.integration
