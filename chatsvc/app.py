@@ -30,6 +30,7 @@ from chatsvc.personas import Personas, pin_key
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 from chatsvc.turns import TurnRegistry
+from engine.client import EngineClient, EngineDeadError
 
 log = logging.getLogger("chatsvc.app")
 
@@ -45,8 +46,9 @@ async def health(request: Request) -> JSONResponse:
 async def ready(request: Request) -> JSONResponse:
     gw = gateway(request)
     redis_ok = await gw.store.ping()
-    ok = gw.engine_ready and redis_ok
-    return JSONResponse({"ready": ok, "engine": gw.engine_ready, "redis": redis_ok}, status_code=200 if ok else 503)
+    engine_ok = gw.engine_ready and gw.engine.is_running  # False once an engine process has died
+    ok = engine_ok and redis_ok
+    return JSONResponse({"ready": ok, "engine": engine_ok, "redis": redis_ok}, status_code=200 if ok else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -105,6 +107,10 @@ async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
     return APIError(503, f"session store unavailable: {type(exc).__name__}", code="redis_unavailable").response()
 
 
+async def engine_dead_handler(request: Request, exc: Exception) -> JSONResponse:
+    return APIError(503, "the engine is not running", code="engine_unavailable").response()
+
+
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s", request.url.path, exc_info=exc)
     return APIError(500, "internal server error", code="internal_error").response()
@@ -121,7 +127,7 @@ async def _sync_personas(gw: Gateway) -> None:
             await asyncio.sleep(2.0)
 
 
-def create_app(engine: Any, store: Store, settings: Settings | None = None) -> Starlette:
+def create_app(engine: EngineClient, store: Store, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     m = Metrics(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys), metrics=m,
@@ -161,6 +167,7 @@ def create_app(engine: Any, store: Store, settings: Settings | None = None) -> S
             APIError: api_error_handler,
             HTTPException: not_found_handler,
             RedisError: redis_error_handler,
+            EngineDeadError: engine_dead_handler,
             Exception: internal_error_handler,
         },
     )

@@ -1,4 +1,4 @@
-"""``chatsvc`` command line: ``serve`` (gateway + engine + model in one process) and ``bench``."""
+"""``chatsvc`` command line: ``serve`` (the gateway, its engine in a child process or a thread) and ``bench``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from chatsvc.settings import Settings, api_keys_from_env, default_data_dir
+from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc")
 
@@ -40,6 +41,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default="auto")
     p.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
                    help="onednn: weights packed once for oneDNN (auto, where it runs the dtype natively)")
+    p.add_argument("--engine", choices=["process", "thread"], default="process",
+                   help="run the engine loop in a child process (its own GIL and cores) or on a thread of the "
+                        "gateway's process")
+    p.add_argument("--engine-threads", type=int, default=None,
+                   help="torch threads of the engine (default: all cores)")
     p.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
     p.add_argument("--allowed-origins", default=None,
@@ -74,16 +80,30 @@ def settings_from_args(args: argparse.Namespace, redis_description: str) -> Sett
                     abort_grace_s=args.abort_grace, redis_description=redis_description)
 
 
-def build_engine(model: str | None, kwargs: dict[str, Any]) -> Any:
-    from engine.async_engine import AsyncEngine
+def build_engine(model: str | None, kwargs: dict[str, Any], kind: str = "process",
+                 threads: int | None = None) -> EngineClient:
+    """The engine the gateway serves from; "process" blocks until the child has loaded the model."""
+    from engine.engine import LLMEngine
 
     # Drop options this engine build does not take rather than failing on them.
     try:
-        accepted = inspect.signature(AsyncEngine.from_args).parameters
+        accepted = inspect.signature(LLMEngine.__init__).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
             kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     except (TypeError, ValueError):
         pass
+    if kind == "process":
+        from engine.engine_process import ProcessEngine
+
+        return ProcessEngine.from_args(model=model, engine_threads=threads, **kwargs)
+    if kind != "thread":
+        raise ValueError(f"engine must be 'process' or 'thread', got {kind!r}")
+    from engine.async_engine import AsyncEngine
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     return AsyncEngine.from_args(model=model, **kwargs)
 
 
@@ -116,7 +136,7 @@ def serve(args: argparse.Namespace) -> int:
             url = embedded.start()
             desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {url}, append-only"
         settings = settings_from_args(args, desc)
-        engine = build_engine(args.model, engine_kwargs(args))
+        engine = build_engine(args.model, engine_kwargs(args), args.engine, args.engine_threads)
         stats = engine.stats()
         log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
                  engine.max_model_len, stats.get("kv_blocks_total", 0), args.block_size,
@@ -140,7 +160,7 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chatsvc", description="streaming chat service on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_arguments(sub.add_parser("serve", help="run the gateway, engine and model in one process"))
+    add_serve_arguments(sub.add_parser("serve", help="run the gateway and the engine"))
     bench_parser = sub.add_parser("bench", help="load-test a running server")
     try:
         from chatsvc import bench

@@ -15,6 +15,7 @@ from chatsvc.metrics import Metrics
 from chatsvc.personas import Personas
 from chatsvc.settings import Settings
 from chatsvc.store import Store
+from engine.client import EngineClient
 
 if TYPE_CHECKING:
     from chatsvc.turns import TurnRegistry
@@ -24,7 +25,7 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 
 @dataclass
 class Gateway:
-    engine: Any
+    engine: EngineClient
     store: Store
     settings: Settings
     auth: Auth

@@ -7,6 +7,7 @@ from typing import Any
 
 from chatsvc.errors import APIError
 from chatsvc.metrics import Metrics, RequestTimer
+from engine.client import EngineClient
 from engine.request import SamplingParams
 
 
@@ -24,7 +25,7 @@ class Generation:
     """Wraps ``engine.generate``: the first delta is fetched eagerly by :meth:`start`, so admission
     errors (invalid request, full queue) surface as HTTP errors before any response is sent."""
 
-    def __init__(self, engine: Any, metrics: Metrics, request_id: str, params: SamplingParams,
+    def __init__(self, engine: EngineClient, metrics: Metrics, request_id: str, params: SamplingParams,
                  prompt_token_ids: list[int], retry_after_s: int = 1) -> None:
         self.engine = engine
         self.metrics = metrics

@@ -3,11 +3,11 @@ prefix cache while the persona exists, so every session of a persona shares the 
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Any
 
 from chatsvc.store import Store
+from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.personas")
 
@@ -65,7 +65,7 @@ def pin_key(name: str) -> str:
 class Personas:
     """Keeps the engine's pinned prefixes in step with the personas stored in Redis."""
 
-    def __init__(self, engine: Any, store: Store) -> None:
+    def __init__(self, engine: EngineClient, store: Store) -> None:
         self.engine = engine
         self.store = store
         self.pinned: dict[str, int] = {}  # persona name -> pinned tokens
@@ -87,10 +87,7 @@ class Personas:
 
     async def unpin(self, name: str) -> None:
         if self.pinned.pop(name, None) is not None:
-            # The contract leaves open whether unpin_prefix is a coroutine; accept both.
-            result = self.engine.unpin_prefix(pin_key(name))
-            if inspect.isawaitable(result):
-                await result
+            self.engine.unpin_prefix(pin_key(name))
 
     async def unpin_all(self) -> None:
         for name in list(self.pinned):

@@ -34,6 +34,7 @@ from chatsvc.schemas import SamplingFields, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionMeta, Store
 from chatsvc.wire import delta_event
+from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.turns")
 TERMINAL = ("done", "error")
@@ -88,7 +89,7 @@ class ActiveTurn:
 
 
 class TurnRegistry:
-    def __init__(self, engine: Any, store: Store, metrics: Metrics, settings: Settings) -> None:
+    def __init__(self, engine: EngineClient, store: Store, metrics: Metrics, settings: Settings) -> None:
         self.engine = engine
         self.store = store
         self.metrics = metrics

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
+from engine.client import EngineClient, EngineDeadError
 from engine.engine import LLMEngine, RequestDelta
 from engine.request import SamplingParams, SequenceGroup
 from engine.scheduler import QueueFullError
@@ -27,11 +28,7 @@ log = logging.getLogger("chatsvc.engine")
 __all__ = ["AsyncEngine", "RequestDelta", "QueueFullError", "EngineDeadError"]
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (never started, stopped, or crashed)."""
-
-
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, llm_engine: LLMEngine) -> None:
         self.engine = llm_engine
         self.tokenizer = llm_engine.tokenizer

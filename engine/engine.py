@@ -18,7 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
 from engine.plan import ScheduledSeq, SchedulerOutput
-from engine.request import RequestStatus, SamplingParams, Sequence, SequenceGroup
+from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler import QueueFullError, Scheduler
@@ -150,6 +150,10 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.scheduler_config.max_num_seqs, self.model_config.vocab_size, self.max_model_len)
+
     # -- requests ---------------------------------------------------------------------------------
     def make_request(
         self,
@@ -159,27 +163,8 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
     ) -> SequenceGroup:
         """Validate a request and build its group without touching engine state."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        sampling_params.validate()
-        if sampling_params.n > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("prompt or prompt_token_ids is required")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        prompt_token_ids = list(prompt_token_ids)
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt_token_ids)} tokens; the context length (max_model_len) is "
-                f"{self.max_model_len}, leaving no room for output"
-            )
-        return SequenceGroup(request_id, prompt_token_ids, sampling_params, prompt=prompt)
+        return make_request(self.request_limits, self.tokenizer.encode, request_id, sampling_params, prompt,
+                            prompt_token_ids)
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self._groups:

@@ -77,6 +77,28 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     linear_impl = resolve_linear_backend(linear_backend, dtype, device)
+    path, config, weights, tokenizer = _open(model)
+    backend = get_backend(attention_backend, device)
+    net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype)
+    net.load_weights(weights)
+    net.requires_grad_(False)
+    net.eval()
+    if linear_impl == "onednn":
+        net.pack_linears()
+    return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)
+
+
+def load_tokenizer(model: str | os.PathLike[str] | None = None) -> tuple[Tokenizer, ModelConfig]:
+    """The tokenizer and config of a model without building the model or reading its weights.
+
+    For a process that talks to an engine elsewhere and only needs to tokenize and render chats.
+    """
+    _, config, _, tokenizer = _open(model)
+    return tokenizer, config
+
+
+def _open(model: str | os.PathLike[str] | None) -> tuple[Path, ModelConfig, Iterator[tuple[str, Tensor]], Tokenizer]:
+    """Path, config, a lazy weights iterator (nothing is read until it is consumed) and tokenizer."""
     path = resolve_model_path(model)
     if path.is_dir():
         config, weights, tokenizer = _open_hf_dir(path)
@@ -89,15 +111,7 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
     eos = config.eos_token_ids | tokenizer.eos_token_ids
     config = dataclasses.replace(config, eos_token_ids=eos)
     tokenizer.eos_token_ids = eos
-
-    backend = get_backend(attention_backend, device)
-    net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype)
-    net.load_weights(weights)
-    net.requires_grad_(False)
-    net.eval()
-    if linear_impl == "onednn":
-        net.pack_linears()
-    return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)
+    return path, config, weights, tokenizer
 
 
 # ---- HF directories ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,3 +186,49 @@ class SequenceGroup:
 
     def __repr__(self) -> str:
         return f"SequenceGroup({self.request_id!r}, {self.status.value}, seqs={self.seqs})"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The engine's bounds a request is checked against before it is queued."""
+
+    max_num_seqs: int
+    vocab_size: int
+    max_model_len: int
+
+
+def make_request(
+    limits: RequestLimits,
+    encode: Callable[[str], list[int]],
+    request_id: str,
+    sampling_params: SamplingParams,
+    prompt: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    arrival_time: float | None = None,
+) -> SequenceGroup:
+    """Validate a request and build its group; ValueError says what is wrong.
+
+    One function for the engine and for clients of an engine in another process, so a request is
+    refused by the same rules wherever it is checked.
+    """
+    if not isinstance(sampling_params, SamplingParams):
+        raise ValueError("sampling_params must be a SamplingParams")
+    sampling_params.validate()
+    if sampling_params.n > limits.max_num_seqs:
+        raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={limits.max_num_seqs}")
+    if prompt_token_ids is None:
+        if prompt is None:
+            raise ValueError("prompt or prompt_token_ids is required")
+        prompt_token_ids = encode(prompt)
+    prompt_token_ids = list(prompt_token_ids)
+    if not prompt_token_ids:
+        raise ValueError("prompt must not be empty")
+    vocab = limits.vocab_size
+    if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
+        raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+    if len(prompt_token_ids) >= limits.max_model_len:
+        raise ValueError(
+            f"prompt is {len(prompt_token_ids)} tokens; the context length (max_model_len) is "
+            f"{limits.max_model_len}, leaving no room for output"
+        )
+    return SequenceGroup(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, prompt=prompt)

@@ -95,7 +95,8 @@ def test_cli_help_lists_the_serve_flags(capsys: pytest.CaptureFixture[str]) -> N
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--model", "--redis-url", "--block-size", "--kv-cache-mb", "--num-kv-blocks",
                  "--swap-space-mb", "--max-num-seqs", "--max-num-batched-tokens", "--preemption", "--api-key",
-                 "--device", "--dtype", "--max-model-len", "--allowed-origins", "--session-ttl", "--max-waiting"):
+                 "--device", "--dtype", "--max-model-len", "--allowed-origins", "--session-ttl", "--max-waiting",
+                 "--engine", "--engine-threads"):
         assert flag in out
 
 

@@ -1,0 +1,596 @@
+"""``ProcessEngine``: the step loop in a child process, behind the ``EngineClient`` interface.
+
+Layout. The gateway's process keeps the event loop, HTTP/SSE, Redis and tokenization; a child
+process (multiprocessing "spawn", so it starts from a clean interpreter) builds ``LLMEngine`` and
+owns the model, the KV cache and the scheduler. The two never contend for one GIL: the child's
+torch ops get every core (``engine_threads``) while the parent's torch stays at one thread. If a
+tcmalloc library is installed, the child is started with it in ``LD_PRELOAD``.
+
+One duplex pipe joins them; every message is a pickled dataclass defined below.
+
+* child -> parent, once: ``Ready(EngineInfo)`` (protocol version, model name, the limits requests
+  are validated against, block size, first stats and snapshot), or ``Failed(error, traceback)``
+  when the engine cannot be built; then, after every step and after every batch of commands that
+  changed something, ONE ``StepOutput``: that step's deltas, per-request errors, replies to calls,
+  how many ``Add`` commands it has taken in, the scheduler's stats, and a KV snapshot only while
+  the parent has asked for one within the last ``SNAPSHOT_WINDOW_S`` seconds.
+* parent -> child: ``Add`` (a request already validated by the parent), ``Abort``, ``Pin``,
+  ``Unpin``, ``WantSnapshot``, ``Shutdown``. ``Abort`` and ``Pin`` carry a call id and get a reply in
+  a ``StepOutput``. The child drains commands between steps without blocking, and blocks on the
+  pipe only when it has nothing to run.
+
+In the parent, a reader thread blocks on ``recv()`` (which releases the GIL) and hands each
+``StepOutput`` to the event loop with one ``call_soon_threadsafe``; there the deltas go to the
+per-request asyncio queues. When the child exits for any reason the pipe reads EOF: every open
+stream raises ``EngineDeadError`` and ``is_running`` turns False. The child in turn exits when the
+parent's end of the pipe closes (the parent died) or it is told to shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes.util
+import glob
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from engine.client import EngineClient, EngineDeadError
+from engine.engine import LLMEngine, RequestDelta
+from engine.loader import load_tokenizer
+from engine.request import RequestLimits, SamplingParams, SequenceGroup, make_request
+from engine.scheduler import QueueFullError
+
+log = logging.getLogger("chatsvc.engine")
+
+__all__ = ["ProcessEngine", "EngineInfo", "PROTOCOL_VERSION", "find_tcmalloc", "default_engine_threads"]
+
+PROTOCOL_VERSION = 1
+IDLE_POLL_S = 0.5  # how often an idle child checks that its parent still exists
+SNAPSHOT_WINDOW_S = 2.0  # a KV snapshot request keeps snapshots coming for this long
+STOP_TIMEOUT_S = 30.0
+TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                 "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
+
+
+# ---- messages ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Add:
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    prompt: str | None
+    arrival_time: float  # time.monotonic() is one system-wide clock, so it means the same in the child
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    call_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Pin:
+    call_id: int
+    key: str
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Unpin:
+    key: str
+
+
+@dataclass(frozen=True)
+class WantSnapshot:
+    pass
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+Command = Add | Abort | Pin | Unpin | WantSnapshot | Shutdown
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    protocol: int
+    pid: int
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+    max_waiting: int
+    block_size: int
+    eos_token_ids: frozenset[int]
+    threads: int
+    allocator: str
+    stats: dict[str, Any]
+    snapshot: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+    traceback: str
+
+
+@dataclass
+class StepOutput:
+    deltas: list[RequestDelta] = field(default_factory=list)
+    errors: list[tuple[str, BaseException]] = field(default_factory=list)  # request id, what its stream raises
+    replies: list[tuple[int, Any, BaseException | None]] = field(default_factory=list)  # call id, result, error
+    adds_seen: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+    snapshot: dict[str, Any] | None = None
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """The exception itself when it survives pickling, else a RuntimeError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any failure means it cannot cross the pipe as it is
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+# ---- the child -----------------------------------------------------------------------------------
+
+
+def default_engine_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def find_tcmalloc(dirs: tuple[str, ...] = TCMALLOC_DIRS) -> str | None:
+    """Path of an installed tcmalloc (the minimal build first) in ``dirs``, else a soname the dynamic
+    linker knows; None if there is none. The library is used when present, never installed."""
+    names = ("tcmalloc_minimal", "tcmalloc")
+    for name in names:
+        for d in dirs:
+            found = sorted(glob.glob(os.path.join(d, f"lib{name}.so*")))
+            if found:
+                return found[0]
+    for name in names:
+        soname = ctypes.util.find_library(name)
+        if soname:
+            return soname
+    return None
+
+
+def _allocator() -> str:
+    """Which malloc this process runs on, read from its own memory map."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "tcmalloc" in line:
+                    return f"tcmalloc ({line.split()[-1]})"
+    except OSError:
+        return "unknown"
+    return "glibc malloc"
+
+
+@contextlib.contextmanager
+def _preloaded(lib: str | None) -> Iterator[None]:
+    """os.environ with ``lib`` first in LD_PRELOAD; a spawned child takes the environment at start."""
+    old = os.environ.get("LD_PRELOAD")
+    if lib is not None:
+        os.environ["LD_PRELOAD"] = lib if not old else f"{lib}:{old}"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = old
+
+
+def _child_main(conn: Connection, model: str | None, engine_kwargs: dict[str, Any], threads: int,
+                parent_pid: int) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    try:
+        engine = LLMEngine(model=model, **engine_kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(Failed(_portable(exc), traceback.format_exc()))
+        conn.close()
+        return
+    sched = engine.scheduler_config
+    conn.send(Ready(EngineInfo(
+        protocol=PROTOCOL_VERSION, pid=os.getpid(), model_name=engine.model_name,
+        max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+        max_num_seqs=sched.max_num_seqs, max_waiting=sched.max_waiting,
+        block_size=engine.block_size_tokens_min(), eos_token_ids=frozenset(engine.eos_token_ids),
+        threads=torch.get_num_threads(), allocator=_allocator(), stats=engine.stats(),
+        snapshot=engine.kv_snapshot(),
+    )))
+    try:
+        _Worker(engine, conn, parent_pid).run()
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        pass  # the parent is gone; nobody is left to serve
+    finally:
+        conn.close()
+
+
+class _Worker:
+    """The child's loop: drain commands, step, send one StepOutput."""
+
+    def __init__(self, engine: LLMEngine, conn: Connection, parent_pid: int) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.parent_pid = parent_pid
+        self.out = StepOutput()
+        self.changed = False
+        self.adds_seen = 0
+        self.live: set[str] = set()
+        self.snapshot_until = 0.0
+        self.snapshot_now = False
+
+    def run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished() and not self.conn.poll(IDLE_POLL_S):
+                if os.getppid() != self.parent_pid:
+                    return  # re-parented: the gateway died without closing us down
+                continue
+            if not self._drain():
+                break
+            if self.engine.has_unfinished():
+                self._step()
+            self._flush()
+        # Shutting down: end every open stream.
+        for request_id in list(self.live):
+            self._deliver(self.engine.abort_request(request_id))
+        self._flush()
+
+    def _drain(self) -> bool:
+        """Apply every queued command; False on Shutdown or when the parent's end has closed."""
+        while self.conn.poll():
+            try:
+                cmd = self.conn.recv()
+            except EOFError:
+                return False
+            if isinstance(cmd, Shutdown):
+                return False
+            self._apply(cmd)
+            self.changed = True
+        return True
+
+    def _apply(self, cmd: Command) -> None:
+        engine = self.engine
+        match cmd:
+            case Add():
+                self.adds_seen += 1
+                try:
+                    engine.add_group(SequenceGroup(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                                   arrival_time=cmd.arrival_time, prompt=cmd.prompt))
+                    self.live.add(cmd.request_id)
+                except Exception as exc:  # noqa: BLE001 - e.g. the queue filled up meanwhile
+                    self.out.errors.append((cmd.request_id, _portable(exc)))
+            case Abort():
+                self._deliver(engine.abort_request(cmd.request_id))
+                if cmd.call_id is not None:
+                    self.out.replies.append((cmd.call_id, None, None))
+            case Pin():
+                try:
+                    self.out.replies.append((cmd.call_id, engine.pin_prefix(cmd.key, cmd.prompt_token_ids), None))
+                except Exception as exc:  # noqa: BLE001 - reported to the caller
+                    self.out.replies.append((cmd.call_id, None, _portable(exc)))
+            case Unpin():
+                engine.unpin_prefix(cmd.key)
+            case WantSnapshot():
+                self.snapshot_until = time.monotonic() + SNAPSHOT_WINDOW_S
+                self.snapshot_now = True
+
+    def _step(self) -> None:
+        self.changed = True  # the stats moved even when the step produced no delta (a prefill chunk)
+        try:
+            self._deliver(self.engine.step())
+        except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
+            log.exception("engine step failed; failing the requests it held")
+            for group in list(self.engine.scheduler.running):
+                self.engine.abort_request(group.request_id)
+                self.live.discard(group.request_id)
+                self.out.errors.append((group.request_id, RuntimeError(f"engine error: {exc}")))
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        self.changed = True
+        self.out.deltas.extend(deltas)
+        for delta in deltas:
+            if delta.request_finished:
+                self.live.discard(delta.request_id)
+
+    def _flush(self) -> None:
+        if not self.changed:
+            return
+        out, self.out, self.changed = self.out, StepOutput(), False
+        out.adds_seen = self.adds_seen
+        out.stats = self.engine.stats()
+        if self.snapshot_now or time.monotonic() < self.snapshot_until:
+            out.snapshot = self.engine.kv_snapshot()
+            self.snapshot_now = False
+        self.conn.send(out)
+
+
+# ---- the parent ----------------------------------------------------------------------------------
+
+
+class ProcessEngine(EngineClient):
+    """Starts the engine process and waits until its model is loaded; ``start()`` then begins serving.
+
+    Construction blocks (model load, and the tokenizer loads here meanwhile) and raises the child's
+    own error when the engine cannot be built, e.g. ValueError for a bad model path. Every method
+    other than ``stats`` is meant to be called from the event loop ``start()`` ran in.
+    """
+
+    def __init__(self, model: str | None = None, *, engine_threads: int | None = None,
+                 startup_timeout_s: float = 600.0, **engine_kwargs: Any) -> None:
+        # This process only tokenizes and serves; the cores belong to the engine process.
+        torch.set_num_threads(1)
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        threads = engine_threads or default_engine_threads()
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, name="chatsvc-engine", daemon=True,
+                                 args=(child_conn, model, engine_kwargs, threads, os.getpid()))
+        with _preloaded(find_tcmalloc()):
+            self._proc.start()
+        child_conn.close()  # so that the child's exit reads as EOF here
+        try:
+            tokenizer, _ = load_tokenizer(model)
+            info = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self._reap(0.0)
+            self._conn.close()
+            raise
+        self.info = info
+        tokenizer.eos_token_ids = info.eos_token_ids  # the engine's stop tokens are the ones that count
+        self.tokenizer = tokenizer
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self._limits = RequestLimits(info.max_num_seqs, info.vocab_size, info.max_model_len)
+        self._stats: dict[str, Any] = info.stats
+        self._snapshot: dict[str, Any] = info.snapshot
+        self._snapshot_asked = 0.0
+        self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._pin_ids = itertools.count()
+        self._adds_sent = 0
+        self._adds_seen = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._dead = False
+        self._stopping = False
+        log.info("engine process %d: %s, %d torch threads, %s", info.pid, info.model_name, info.threads,
+                 info.allocator)
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **engine_kwargs: Any) -> ProcessEngine:
+        return cls(model, **engine_kwargs)
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    def _wait_ready(self, timeout_s: float) -> EngineInfo:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"engine process did not load the model within {timeout_s:.0f}s")
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise RuntimeError(f"engine process exited (code {self._proc.exitcode}) before it was ready") from None
+        if isinstance(msg, Failed):
+            msg.error.add_note(f"raised in the engine process:\n{msg.traceback}")
+            raise msg.error
+        if not isinstance(msg, Ready) or msg.info.protocol != PROTOCOL_VERSION:
+            raise RuntimeError(f"engine process speaks another protocol (got {msg!r:.200})")
+        return msg.info
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._reader is not None:
+            return
+        if self._dead or self._stopping:
+            raise EngineDeadError("the engine process has exited")
+        self._loop = asyncio.get_running_loop()
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    async def stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send(Shutdown())
+        if self._reader is None:
+            await asyncio.to_thread(self._reap, STOP_TIMEOUT_S)
+        else:
+            # The reader reaps the child once the pipe closes; a child stuck in a step is terminated.
+            await asyncio.to_thread(self._reader.join, STOP_TIMEOUT_S)
+            if self._reader.is_alive():
+                self._proc.terminate()
+                await asyncio.to_thread(self._reader.join, STOP_TIMEOUT_S)
+        self._conn.close()
+
+    @property
+    def is_running(self) -> bool:
+        return self._reader is not None and not self._dead and not self._stopping
+
+    def _reap(self, timeout_s: float) -> None:
+        """Wait for the child to exit, terminating (then killing) it if it does not; leaves no zombie."""
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    # -- the reader thread ------------------------------------------------------------------------
+    def _read(self) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, msg)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                break
+        self._dead = True
+        self._reap(10.0)
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._on_exit)
+
+    def _dispatch(self, out: StepOutput) -> None:
+        self._stats = out.stats
+        if out.snapshot is not None:
+            self._snapshot = out.snapshot
+        self._adds_seen = out.adds_seen
+        for delta in out.deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                stream.put_nowait(delta)
+        for request_id, exc in out.errors:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(exc)
+        for call_id, result, error in out.replies:
+            fut = self._calls.pop(call_id, None)
+            if fut is None or fut.done():
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+    def _on_exit(self) -> None:
+        code = self._proc.exitcode
+        if not self._stopping:
+            log.error("engine process %d exited with code %s; failing %d open streams", self.pid, code,
+                      len(self._streams))
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError(f"engine process exited (code {code})"))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(f"engine process exited (code {code})"))
+        self._calls.clear()
+
+    def _send(self, cmd: Command) -> None:
+        try:
+            self._conn.send(cmd)
+        except (OSError, ValueError) as exc:  # broken pipe, or closed by stop()
+            raise EngineDeadError("the engine process has exited") from exc
+
+    # -- requests ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        request_id: str,
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> AsyncGenerator[RequestDelta, None]:
+        """As ``EngineClient.generate``; ``aclose()`` on the stream aborts the request."""
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        group = make_request(self._limits, self.tokenizer.encode, request_id, sampling_params, prompt,
+                             prompt_token_ids)
+        # Adds the child has not answered yet are not in its stats' waiting count.
+        waiting = self._stats.get("requests_waiting", 0) + self._adds_sent - self._adds_seen
+        if waiting >= self.info.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.info.max_waiting} requests)")
+        stream: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        self._send(Add(request_id, sampling_params, group.prompt_token_ids, prompt, group.arrival_time))
+        self._adds_sent += 1
+        self._streams[request_id] = stream
+        return self._stream(request_id, stream)
+
+    async def _stream(
+        self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException]
+    ) -> AsyncGenerator[RequestDelta, None]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.request_finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.is_running:
+                with contextlib.suppress(EngineDeadError):
+                    self._send(Abort(request_id))
+
+    async def _call(self, make: Callable[[int], Command]) -> Any:
+        if not self.is_running or self._loop is None:
+            raise EngineDeadError("engine is not running")
+        call_id = next(self._call_ids)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[call_id] = fut
+        try:
+            self._send(make(call_id))
+        except EngineDeadError:
+            self._calls.pop(call_id, None)
+            raise
+        return await fut
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(lambda call_id: Abort(request_id, call_id))
+
+    # -- prefixes ---------------------------------------------------------------------------------
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+        ids = list(prompt_token_ids)
+        if len(ids) >= self.info.block_size:
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            async for _ in self.generate(f"pin-{next(self._pin_ids)}-{key}", params, prompt_token_ids=ids):
+                pass
+        pinned: int = await self._call(lambda call_id: Pin(call_id, key, ids))
+        return pinned
+
+    def unpin_prefix(self, key: str) -> None:
+        if self.is_running:
+            with contextlib.suppress(EngineDeadError):  # a dead engine holds no pins
+                self._send(Unpin(key))
+
+    # -- numbers ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        if self.is_running and now - self._snapshot_asked > SNAPSHOT_WINDOW_S / 2:
+            # Asking keeps the child attaching snapshots to its outputs for the next window.
+            self._snapshot_asked = now
+            with contextlib.suppress(EngineDeadError):  # the last snapshot is still the best answer
+                self._send(WantSnapshot())
+        return self._snapshot
