@@ -17,9 +17,12 @@ One run, one machine, one workload, three systems (the PagedAttention paper's of
 
 dtype: ``--dtype auto`` (default) is bfloat16 where ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
 (AVX512-BF16 / AMX), else float32 (emulated bf16 matmuls on an AVX2 core are several times slower). The
-default run takes about 10 minutes on the project's 2-core AMX machine in bfloat16; a float32 run on an
-AVX2-only machine takes much longer (the 200-prompt float32 run took ~26 minutes on a 2-core EPYC). The
-last text line before the JSON prints the seconds each phase took.
+default run is sized for about 10 minutes on the project's 2-core AMX machine in bfloat16 (the bf16 phases
+took 59 s engine, 133 s transformers on 200 prompts, 80 s max_len on a 2-core AVX2 EPYC; transformers now
+runs 96 prompts, and the breakdown adds two prefills and 4 x 8 decode steps); a float32 run on an AVX2-only
+machine takes much longer (the 200-prompt float32 run took ~26 minutes there). The last text line before
+the JSON prints the seconds each phase took, to check this. On a busy machine every phase is many times
+slower (torch's OpenMP threads wait for each other's time slices): measure on a quiet one.
 
 Workload: the first ``--num-prompts`` ShareGPT prompts (``../shared/data/sharegpt_prompts_1000.json``,
 fallback ``chatsvc/data/``), each as one user turn in the default model's chat template, the user text
