@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -136,6 +137,17 @@ def warn_if_busy(label: str, load: tuple[float, float, float]) -> None:
         print(f"{bar}\n!!! WARNING: 1-min load average {load[0]:.2f} > {BUSY_LOAD} before {label}: other work is "
               f"running on this machine, the numbers of this run are not trustworthy\n{bar}", file=sys.stderr,
               flush=True)
+
+
+def settle(max_s: float, poll_s: float = 5.0) -> float:
+    """Waits (at most ``max_s``) until the 1-min load average is back to ``BUSY_LOAD`` or below; returns the
+    seconds waited. The 1-min average decays with a one-minute time constant, so right after a run of our
+    own it reads ~2 on a quiet machine for about 1.5 minutes: without this, every run after the first would
+    be flagged busy by the load its predecessor left behind."""
+    start = time.monotonic()
+    while load_avg()[0] > BUSY_LOAD and time.monotonic() - start < max_s:
+        time.sleep(poll_s)
+    return time.monotonic() - start
 
 
 @contextmanager

@@ -29,7 +29,8 @@ Record: every run writes ``benchmarks/results/serving_vs_vllm_<UTC stamp>/`` wit
 ``record.json`` naming the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, amx_bf16, amx_tile), cores,
 torch and vLLM versions, our commit (``-dirty`` if tracked files differ), the settings, and the load averages
 before and after each side's run (a loud warning when the 1-min load before a run is > 0.5: numbers taken
-on a busy machine are not comparable).
+on a busy machine are not comparable). Before each side's run the script waits up to ``--settle-s`` (150 s)
+for the 1-min load to fall to 0.5, so the load the previous side left behind is not taken for other work.
 
 Usage: python benchmarks/serving_vs_vllm.py [--workloads 32,64,b,c] [--dtype auto|bfloat16|float32]
            [--prepare-only] [--skip-ours] [--skip-vllm] [--skip-offline] [--quick] [--out benchmarks/results]
@@ -476,6 +477,9 @@ def main() -> int:
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--skip-offline", action="store_true", help="no offline run of workload 32")
     ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
+    ap.add_argument("--settle-s", type=float, default=None,
+                    help="before each side's run, wait up to this long for the 1-min load average to fall to "
+                         f"{machine.BUSY_LOAD} (the previous run's own load; default 150, 0 with --quick)")
     ap.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--kv-gib", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--warmup-seed", type=int, default=1000, help=argparse.SUPPRESS)
@@ -483,6 +487,8 @@ def main() -> int:
     if a.offline_worker is not None:
         print(json.dumps(offline_worker(json.loads(a.offline_worker), a.seed, a.warmup_seed, a.dtype, a.kv_gib)))
         return 0
+    if a.settle_s is None:
+        a.settle_s = 0.0 if a.quick else 150.0
     keys = [k for k in a.workloads.split(",") if k]
     unknown = set(keys) - set(WORKLOADS)
     if unknown:
@@ -505,7 +511,7 @@ def main() -> int:
         "dtype": dtype, "dtype_requested": a.dtype, "kv_cache_gib": kv_gib, "max_num_seqs": MAX_NUM_SEQS,
         "max_model_len": MAX_MODEL_LEN, "vllm_ld_preload": preload, "vllm_ld_preload_missing": preload_missing,
         "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-        "ours_dtype_flags": dtype_flags, "seed": a.seed, "quick": a.quick,
+        "ours_dtype_flags": dtype_flags, "seed": a.seed, "quick": a.quick, "settle_s": a.settle_s,
     }
     log(f"machine: {host.line()}")
     log(f"dtype {dtype} (requested {a.dtype}; ours gets {dtype_flags or 'no dtype flag'}), KV cache {kv_gib} GiB "
@@ -528,8 +534,14 @@ def main() -> int:
         plan.append(("vllm", lambda port, log_path: server(
             vllm_command(vllm_py, port, dtype), vllm_env(kv_gib, preload), f"http://127.0.0.1:{port}/v1/models",
             log_path, 900), keys))
+    def settle() -> None:
+        waited = machine.settle(a.settle_s)
+        if waited >= 1:
+            log(f"waited {waited:.0f} s for the 1-min load average to fall to {machine.BUSY_LOAD}")
+
     for name, start, todo in plan:
         port = free_port()
+        settle()
         with machine.load_window(name, loads):
             try:
                 with start(port, out / f"{name}_server.log"):
@@ -537,6 +549,7 @@ def main() -> int:
             except (RuntimeError, TimeoutError, OSError) as exc:  # one server failing should not lose the others
                 log(f"{name}: {exc}")
         if name == "ours" and "32" in keys and not a.skip_offline:
+            settle()
             with machine.load_window("ours_offline", loads):
                 offline = run_offline("32", a.seed, dtype, kv_gib, a.quick, out)
 
