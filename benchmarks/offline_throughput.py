@@ -372,14 +372,17 @@ def decode_breakdown(prompts: list[list[int]], args: argparse.Namespace, rows: i
       sampling  the sampler (logits -> tokens)
       python    the rest of ``engine.step``: scheduling, building the inputs, appending and detokenizing
     ``gemm_floor_ms`` is the same linear modules timed alone at ``rows`` rows (``GemmTimer``)."""
-    blocks_per_seq = (max(len(p) for p in prompts) + 3 * steps + 16) // 16 + 2
+    chosen = [prompts[i % len(prompts)] for i in range(rows)]
+    # The first sequences decode while the last ones prefill: no sequence may finish before the timed steps end.
+    prefill_steps = -(-sum(len(p) for p in chosen) // args.max_num_batched_tokens) + 2
+    max_tokens = prefill_steps + 2 * steps + 8
+    blocks_per_seq = -(-(max(len(p) for p in chosen) + max_tokens) // 16) + 1
     engine = LLMEngine(
         dtype=args.dtype, num_kv_blocks=rows * blocks_per_seq + 16, max_num_seqs=rows,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, swap_space_mb=0,
         preemption_mode="recompute", max_waiting=rows,
     )
-    params = SamplingParams(max_tokens=3 * steps + 8, temperature=0.0, ignore_eos=True)
-    chosen = [prompts[i % len(prompts)] for i in range(rows)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(chosen):
         engine.add_request(f"b{i}", params, prompt_token_ids=ids)
     shape: dict[str, int] = {}
@@ -397,7 +400,7 @@ def decode_breakdown(prompts: list[list[int]], args: argparse.Namespace, rows: i
         if shape != {"tokens": rows, "decodes": rows}:
             raise RuntimeError(f"expected a pure decode step of {rows} rows, got {shape}")
 
-    for _ in range(10 * rows):  # prefill every prompt (chunked, mixed with decodes) until only decodes remain
+    for _ in range(prefill_steps + rows):  # prefill every prompt (chunked, with decodes) until only decodes remain
         engine.step()
         if shape == {"tokens": rows, "decodes": rows}:
             break
