@@ -8,7 +8,7 @@ is what to read, the milliseconds only say where on this machine it was.
 
 Usage: python benchmarks/cpu_attention.py [--dtype float32|bfloat16] [--threads N] [--output FILE]
 Last line: one JSON object {"dtype", "cases": [{"batch", "ctx", "reference_ms", "cpu_ms", "speedup"}],
-"speedup_geomean"}.
+"speedup_geomean", "cpu", "isa", "cores", "commit", "torch", "threads", "load_before", "load_after"}.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kernels import cpu_kernels, reference  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import machine  # noqa: E402
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 3, 3, 64, 16
 CASES = [(16, 256), (64, 256), (128, 256), (64, 1024), (128, 512)]
@@ -74,8 +77,12 @@ def main() -> None:
     cpu_kernels.load_extension()
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
-    lines = [f"# {datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}  command: python {' '.join(sys.argv)}",
-             f"torch {torch.__version__}, {torch.get_num_threads()} threads, dtype {args.dtype}"]
+    host = machine.describe()
+    load_before = machine.load_avg()
+    machine.warn_if_busy("cpu_attention", load_before)
+    lines = [f"# {datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}  commit {host.commit}  command: python {' '.join(sys.argv)}",
+             f"machine: {host.line()}; {torch.get_num_threads()} threads, dtype {args.dtype}; load avg (1/5/15 min) "
+             f"at start {' '.join(map(str, load_before))}"]
     cases = []
     for batch, ctx in CASES:
         inputs = (*problem(batch, ctx, dtype, gen), scale)
@@ -89,7 +96,10 @@ def main() -> None:
                      f"{ref_ms / cpu_ms:5.2f}x (max abs difference {err:.1e})")
         print(lines[-1], flush=True)
     geomean = math.exp(sum(math.log(c["speedup"]) for c in cases) / len(cases))
-    summary = {"dtype": args.dtype, "cases": cases, "speedup_geomean": round(geomean, 2)}
+    summary = {"dtype": args.dtype, "cases": cases, "speedup_geomean": round(geomean, 2), "cpu": host.cpu,
+               "isa": host.isa, "cores": host.cores, "commit": host.commit, "torch": host.torch,
+               "threads": torch.get_num_threads(), "load_before": list(load_before),
+               "load_after": list(machine.load_avg())}
     lines.append(json.dumps(summary))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

