@@ -19,6 +19,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
@@ -188,9 +190,11 @@ inline void prefetch(const void* p, int64_t bytes) {
 // are fewer items than threads (a few long decodes), each item's KV range is split into parts that run
 // in parallel and are merged afterwards.
 
-constexpr int64_t kQueryTile = 16;
+constexpr int64_t kQueryTile = 32;
 constexpr int64_t kChunk = 64;
 constexpr int64_t kMinSplit = 256;  // below this a KV part costs less than its merge
+constexpr int64_t kTiledRows = 8;   // rows from which transposing a chunk of K pays for itself
+static_assert(kChunk % (4 * W) == 0, "scores_tiled writes whole groups of four vectors");
 
 struct Item {
   int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence (0 = its first)
@@ -205,8 +209,8 @@ struct Merge {
 };
 
 struct Scratch {
-  std::vector<float> q, acc, s, m, l;
-  std::vector<const void*> krow, vrow;
+  std::vector<float> q, acc, s, m, l, kt, vf;
+  std::vector<const void*> krow, vrow, vrow_f;
 };
 
 template <typename T>
@@ -244,6 +248,13 @@ struct Attention {
     const T** krow = reinterpret_cast<const T**>(sc.krow.data());
     const T** vrow = reinterpret_cast<const T**>(sc.vrow.data());
 
+    // Many rows (prefill tiles): K is transposed into float32 once per chunk, so each row's scores are
+    // broadcast-FMAs over whole vectors of positions, and half-type V rows are widened once. Few rows
+    // (decode): per-position dot products straight from the pool beat paying for the copy.
+    const bool tiled = R >= kTiledRows;
+    float *Kt = sc.kt.data(), *Vf = sc.vf.data();
+    const float** vrow_f = reinterpret_cast<const float**>(sc.vrow_f.data());
+
     for (int64_t c0 = it.kv_begin; c0 < kv_hi; c0 += kChunk) {
       const int64_t cn = std::min(kChunk, kv_hi - c0);
       for (int64_t j = 0; j < cn; ++j) {
@@ -252,17 +263,53 @@ struct Attention {
         vrow[j] = v + blk * vb + off * vt + it.kv_head * vh;
         prefetch(vrow[j], D * static_cast<int64_t>(sizeof(T)));  // read after the scores
       }
-      for (int64_t i = 0; i < n_q; ++i) {
-        // Causal: query i sees positions <= its own; later queries see at least as much.
-        const int64_t n = std::min(cn, first_pos + i + 1 - c0);
-        if (n <= 0) continue;
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t r = i * group + g;
+      if (tiled) {
+        const int64_t cols = std::min(kChunk, (cn + 4 * W - 1) / (4 * W) * (4 * W));
+        for (int64_t d = 0; d < D; ++d) {
+          float* dst = Kt + d * kChunk;
+          for (int64_t j = 0; j < cn; ++j) dst[j] = static_cast<float>(krow[j][d]);
+          std::fill(dst + cn, dst + cols, 0.f);  // scored, never used: keep them finite
+        }
+        for (int64_t j = 0; j < cn; ++j) {
+          if constexpr (std::is_same_v<T, float>) {
+            vrow_f[j] = vrow[j];
+          } else {
+            widen(vrow[j], Vf + j * D, D);
+            vrow_f[j] = Vf + j * D;
+          }
+        }
+      }
+      // Causal: row r (query r / group) sees positions <= its own; later queries see at least as much.
+      auto visible = [&](int64_t r) { return std::min(cn, first_pos + r / group + 1 - c0); };
+      if (!tiled) {
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t n = visible(r);
+          if (n <= 0) continue;
           float* s = S + r * kChunk;
           for (int64_t j = 0; j < n; ++j) s[j] = dot(Q + r * D, krow[j], D);
           softmax_step(s, n, M[r], L[r], acc + r * D);
           accumulate(s, n, vrow, acc + r * D);
         }
+        continue;
+      }
+      // Two rows at a time: eight independent FMA chains hide the FMA latency that four would expose.
+      for (int64_t r = 0; r < R; r += 2) {
+        const int64_t r1 = std::min(r + 1, R - 1);  // an odd last row is paired with itself
+        const int64_t n0 = visible(r), n1 = visible(r1), n = std::max(n0, n1);
+        if (n <= 0) continue;
+        float *s0 = S + r * kChunk, *s1 = S + r1 * kChunk;
+        scores_tiled(Q + r * D, Q + r1 * D, Kt, n, s0, s1);
+        // A row that sees fewer positions weighs the rest 0, so both accumulate over the same n.
+        if (r1 == r) {
+          softmax_step(s0, n, M[r], L[r], acc + r * D);
+          accumulate(s0, n, vrow_f, acc + r * D);
+          continue;
+        }
+        for (auto [row, s_row, n_row] : {std::tuple{r, s0, n0}, std::tuple{r1, s1, n1}}) {
+          if (n_row > 0) softmax_step(s_row, n_row, M[row], L[row], acc + row * D);
+          std::fill(s_row + std::max<int64_t>(n_row, 0), s_row + n, 0.f);
+        }
+        accumulate2(s0, s1, n, vrow_f, acc + r * D, acc + r1 * D);
       }
     }
 
@@ -309,6 +356,77 @@ struct Attention {
     l += sum;
   }
 
+  // s0/s1[0..n) = q0/q1 . K[j] for K transposed [D, kChunk]: four vectors of positions per pass over D.
+  void scores_tiled(const float* q0, const float* q1, const float* Kt, int64_t n, float* s0, float* s1) const {
+    for (int64_t c = 0; c < n; c += 4 * W) {
+      vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      vf b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+      const float* col = Kt + c;
+      for (int64_t d = 0; d < head_dim; ++d, col += kChunk) {
+        const vf x = vset1(q0[d]), y = vset1(q1[d]);
+        const vf k0 = vload(col), k1 = vload(col + W), k2 = vload(col + 2 * W), k3 = vload(col + 3 * W);
+        a0 = vfma(x, k0, a0);
+        a1 = vfma(x, k1, a1);
+        a2 = vfma(x, k2, a2);
+        a3 = vfma(x, k3, a3);
+        b0 = vfma(y, k0, b0);
+        b1 = vfma(y, k1, b1);
+        b2 = vfma(y, k2, b2);
+        b3 = vfma(y, k3, b3);
+      }
+      vstore(s0 + c, a0);
+      vstore(s0 + c + W, a1);
+      vstore(s0 + c + 2 * W, a2);
+      vstore(s0 + c + 3 * W, a3);
+      vstore(s1 + c, b0);
+      vstore(s1 + c + W, b1);
+      vstore(s1 + c + 2 * W, b2);
+      vstore(s1 + c + 3 * W, b3);
+    }
+  }
+
+  // acc0 += sum_j p0[j] V[j] and acc1 += sum_j p1[j] V[j], sharing the loads of V.
+  void accumulate2(const float* p0, const float* p1, int64_t n, const float* const* vrows, float* acc0,
+                   float* acc1) const {
+    const int64_t D = head_dim;
+    int64_t d = 0;
+    for (; d + 4 * W <= D; d += 4 * W) {
+      vf a0 = vload(acc0 + d), a1 = vload(acc0 + d + W), a2 = vload(acc0 + d + 2 * W), a3 = vload(acc0 + d + 3 * W);
+      vf b0 = vload(acc1 + d), b1 = vload(acc1 + d + W), b2 = vload(acc1 + d + 2 * W), b3 = vload(acc1 + d + 3 * W);
+      for (int64_t j = 0; j < n; ++j) {
+        const vf x = vset1(p0[j]), y = vset1(p1[j]);
+        const float* v = vrows[j] + d;
+        const vf v0 = vload(v), v1 = vload(v + W), v2 = vload(v + 2 * W), v3 = vload(v + 3 * W);
+        a0 = vfma(x, v0, a0);
+        a1 = vfma(x, v1, a1);
+        a2 = vfma(x, v2, a2);
+        a3 = vfma(x, v3, a3);
+        b0 = vfma(y, v0, b0);
+        b1 = vfma(y, v1, b1);
+        b2 = vfma(y, v2, b2);
+        b3 = vfma(y, v3, b3);
+      }
+      vstore(acc0 + d, a0);
+      vstore(acc0 + d + W, a1);
+      vstore(acc0 + d + 2 * W, a2);
+      vstore(acc0 + d + 3 * W, a3);
+      vstore(acc1 + d, b0);
+      vstore(acc1 + d + W, b1);
+      vstore(acc1 + d + 2 * W, b2);
+      vstore(acc1 + d + 3 * W, b3);
+    }
+    if (d < D) {  // head sizes off the 4-vector grid: the rest one row at a time
+      accumulate_from(p0, n, vrows, acc0, d);
+      accumulate_from(p1, n, vrows, acc1, d);
+    }
+  }
+
+  static void widen(const T* src, float* dst, int64_t n) {
+    int64_t d = 0;
+    for (; d + W <= n; d += W) vstore(dst + d, vload(src + d));
+    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+
   void scale_row(float* row, float a) const {
     const vf va = vset1(a);
     int64_t d = 0;
@@ -317,15 +435,20 @@ struct Attention {
   }
 
   // acc_row += sum_j p[j] * V[j], the accumulator held in registers four vectors at a time.
-  void accumulate(const float* p, int64_t n, const T* const* vrows, float* acc_row) const {
+  template <typename U>
+  void accumulate(const float* p, int64_t n, const U* const* vrows, float* acc_row) const {
+    accumulate_from(p, n, vrows, acc_row, 0);
+  }
+
+  template <typename U>
+  void accumulate_from(const float* p, int64_t n, const U* const* vrows, float* acc_row, int64_t d) const {
     const int64_t D = head_dim;
-    int64_t d = 0;
     for (; d + 4 * W <= D; d += 4 * W) {
       vf a0 = vload(acc_row + d), a1 = vload(acc_row + d + W), a2 = vload(acc_row + d + 2 * W),
          a3 = vload(acc_row + d + 3 * W);
       for (int64_t j = 0; j < n; ++j) {
         const vf pj = vset1(p[j]);
-        const T* x = vrows[j] + d;
+        const U* x = vrows[j] + d;
         a0 = vfma(pj, vload(x), a0);
         a1 = vfma(pj, vload(x + W), a1);
         a2 = vfma(pj, vload(x + 2 * W), a2);
@@ -455,6 +578,9 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
     sc.l.resize(rows);
     sc.krow.resize(kChunk);
     sc.vrow.resize(kChunk);
+    sc.vrow_f.resize(kChunk);
+    sc.kt.resize(a.head_dim * kChunk);
+    sc.vf.resize(kChunk * a.head_dim);
     for (int64_t i; (i = next.fetch_add(1)) < n_items;) a.run(items[i], sc);
   });
   if (!merges.empty()) {
