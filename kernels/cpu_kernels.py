@@ -1,8 +1,11 @@
-"""CPU kernels in C++: paged attention (decode and prefill), built on first use; the rest from the torch reference.
+"""CPU kernels in C++ (built on first use): paged attention, the KV-cache write, and the elementwise ops
+around them (``fused_add_rms_norm``, ``silu_and_mul``, ``rotary_embedding``, see ``kernels.ModelOps``);
+block copies come from the torch reference.
 
 Attention is where the reference's approach (gather the blocks into a dense copy, then matmuls) costs most
 on CPU: it is memory-bound there and the copy doubles the bytes moved. ``csrc/cpu_kernels.cpp`` reads
-each block in place instead, for decode and for prefill chunks over a cached prefix alike.
+each block in place instead, for decode and for prefill chunks over a cached prefix alike. The
+elementwise ops each replace several torch ops (and their temporaries) with one pass over the rows.
 
 The source is compiled once per vector ISA, each build a separate extension (the ISA is part of its name,
 so a cache dir shared between machines never hands one CPU a binary built for another):
@@ -31,7 +34,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels.reference import copy_blocks, swap_blocks, write_kv_cache
+from kernels.reference import copy_blocks, swap_blocks
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 ISA_ENV = "CHATSVC_CPU_ISA"
@@ -157,8 +160,43 @@ def paged_attention_prefill(
                                             float(scale))
 
 
-__all__ = ["ISAS", "copy_blocks", "load_extension", "paged_attention_decode", "paged_attention_prefill",
-           "selected_isa", "supported_isas", "swap_blocks", "testable_isas", "write_kv_cache"]
+def write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store each token's K/V ``[T, Hkv, D]`` at its slot (``block_id * block_size + offset``; -1 = skip).
+    In place; key/value may be strided views (e.g. of the fused QKV projection)."""
+    load_extension().write_kv_cache(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
+                                    slot_mapping.to(torch.int64))
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """In place, vLLM's fused_add_rms_norm: ``residual += x``, then ``x = rms_norm(residual) * weight``.
+
+    x, residual ``[..., N]`` with contiguous rows, same dtype as weight ``[N]``. float32 math; for half types
+    the sum and the normalized value are rounded to the storage type before the weight multiply, as
+    ``h + out`` then HF's ``weight * norm(h).to(dtype)`` do.
+    """
+    n = x.shape[-1]
+    load_extension().fused_add_rms_norm(x.view(-1, n), residual.view(-1, n), weight, float(eps))
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """``[..., 2I] -> [..., I]``: ``silu(gate_up[..., :I]) * gate_up[..., I:]`` (the fused gate/up projection's
+    output, rows contiguous)."""
+    out = load_extension().silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+    return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+
+def rotary_embedding(qk: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """In place on ``qk [T, H, D]`` (a strided view of the QKV projection is fine, D contiguous), the
+    "rotate_half" layout: x1 <- x1 cos - x2 sin, x2 <- x2 cos + x1 sin for the halves x1, x2 of each head.
+    cos, sin ``[T, D/2]`` (or ``[T, 1, D/2]``) in qk's dtype. In float32 this rounds exactly as the torch
+    expression does (two products, then one add or subtract)."""
+    half = qk.shape[-1] // 2
+    load_extension().rotary_embedding(qk, cos.reshape(-1, half), sin.reshape(-1, half))
+
+
+__all__ = ["ISAS", "copy_blocks", "fused_add_rms_norm", "load_extension", "paged_attention_decode",
+           "paged_attention_prefill", "rotary_embedding", "selected_isa", "silu_and_mul", "supported_isas",
+           "swap_blocks", "testable_isas", "write_kv_cache"]
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_kernels [ISA...]`: build now (scripts/setup.sh does)

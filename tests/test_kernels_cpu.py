@@ -186,3 +186,83 @@ def test_auto_backend_is_cpu_and_falls_back_to_torch(monkeypatch: pytest.MonkeyP
     with pytest.raises(RuntimeError, match="no compiler"):
         kernels.get_backend("cpu", "cpu")
     assert len(builds) == 1, "a failed build must not be retried by every new engine"
+
+
+# ---- KV-cache write and the elementwise ops -----------------------------------------------------------
+
+OPS_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype) -> None:
+    """K/V arrive as strided views of the fused QKV output; slot -1 (padding) is not stored."""
+    num_blocks, block_size, heads, dim, tokens = 6, 8, 3, 64, 11
+    qkv = torch.randn(tokens, 3 * heads, dim, generator=gen).to(dtype)
+    key, value = qkv[:, heads: 2 * heads], qkv[:, 2 * heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[2, 7]] = -1
+    kv = torch.randn(2, 2, num_blocks, block_size, heads, dim, generator=gen).to(dtype)  # [layers, K|V, ...]
+    expected = kv.clone()
+    reference.write_kv_cache(key, value, expected[1, 0], expected[1, 1], slots)
+    cpu_kernels.write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
+    torch.testing.assert_close(kv, expected, atol=0, rtol=0)
+    slots[0] = num_blocks * block_size
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_add_rms_norm_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype) -> None:
+    rows, hidden = 37, 576 + 3  # a scalar tail after the vectors
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = torch.rand(hidden, generator=gen).to(dtype)
+    x_ref, res_ref = x.clone(), residual.clone()
+    reference.fused_add_rms_norm(x_ref, res_ref, weight, 1e-5)
+    cpu_kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, res_ref, atol=0, rtol=0)  # one rounded add either way
+    tol = OPS_TOL[dtype]
+    torch.testing.assert_close(x, x_ref, atol=tol, rtol=tol)
+    # and against float64 math on the stored residual
+    r = res_ref.double()
+    expected = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.testing.assert_close(x.double(), expected, atol=tol * 2, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_and_mul_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype) -> None:
+    rows, inter = 9, 1536 + 5
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # e^-g at and past float's range
+    out = cpu_kernels.silu_and_mul(gate_up)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    tol = OPS_TOL[dtype]
+    torch.testing.assert_close(out, reference.silu_and_mul(gate_up), atol=tol, rtol=tol)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(out.double(), g * torch.sigmoid(g) * u, atol=tol * 2, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rotary_embedding_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype,
+                                            head_dim: int) -> None:
+    """In place on the Q and K heads of a fused QKV output (a strided view); V must stay untouched."""
+    tokens, q_heads, kv_heads = 13, 9, 3
+    qkv = torch.randn(tokens, q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected = qkv.clone()
+    reference.rotary_embedding(expected[:, : q_heads + kv_heads], cos, sin)
+    qk = qkv[:, : q_heads + kv_heads]
+    assert not qk.is_contiguous()
+    cpu_kernels.rotary_embedding(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    # float32: the same two products and one add per element, so bit for bit; half types round once less.
+    tol = 0.0 if dtype == torch.float32 else OPS_TOL[dtype]
+    torch.testing.assert_close(qkv, expected, atol=tol, rtol=tol)
+
+
+def test_cpu_backend_exposes_the_cpu_ops() -> None:
+    backend = kernels.get_backend("cpu", "cpu")
+    assert backend.ops.silu_and_mul is cpu_kernels.silu_and_mul
+    assert backend.write_kv_cache is cpu_kernels.write_kv_cache
+    assert kernels.get_backend("torch", "cpu").ops is kernels.REFERENCE_OPS

@@ -651,6 +651,211 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   return out;
 }
 
+// ---- KV-cache write --------------------------------------------------------------------------------
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  const char* what = "write_kv_cache (cpu)";
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              what, ": key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              what, ": key/value must have their cache's dtype");
+  TORCH_CHECK(key.sizes() == value.sizes() && k_cache.sizes() == v_cache.sizes() &&
+                  key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              what, ": shapes do not match");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              what, ": the head dimension must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              what, ": slot_mapping must be int64 [T]");
+  auto slots_t = slot_mapping.contiguous();
+  const int64_t* slots = slots_t.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0), heads = key.size(1), bytes = key.size(2) * key.element_size();
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, what, ": slot ", slots[t], " of token ", t,
+                " is outside the cache (", num_slots, " slots)");
+  }
+  auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
+    const char* s = static_cast<const char*>(src.data_ptr());
+    char* c = static_cast<char*>(cache.data_ptr());
+    const int64_t es = src.element_size();
+    const int64_t s0 = src.stride(0) * es, s1 = src.stride(1) * es;
+    const int64_t cb = cache.stride(0) * es, ct = cache.stride(1) * es, ch = cache.stride(2) * es;
+    // All heads of a token in one piece when both sides hold them back to back.
+    const bool whole_row = s1 == bytes && ch == bytes;
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;  // padding: not stored
+        char* dst = c + (slots[t] / block_size) * cb + (slots[t] % block_size) * ct;
+        const char* row = s + t * s0;
+        if (whole_row) {
+          std::memcpy(dst, row, heads * bytes);
+        } else {
+          for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * ch, row + h * s1, bytes);
+        }
+      }
+    });
+  };
+  copy(key, k_cache);
+  copy(value, v_cache);
+}
+
+// ---- elementwise ops around attention ----------------------------------------------------------------
+//
+// float32 math; for half types each result is rounded to the storage type where torch's composite ops
+// (and the HF reference) round, so the ops match them op for op. In float32 that rounding is a no-op and
+// plain mul/add/sub (no FMA) round exactly as torch's own kernels.
+
+template <typename T>
+inline vf rnd(vf x) {  // x rounded to T and back
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T tmp[W];
+    vstore(tmp, x);
+    return vload(tmp);
+  }
+}
+
+template <typename T>
+inline float rnd1(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+inline int64_t rows_per_task(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+
+template <typename T>
+void add_rms_norm_kernel(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      T *xr = xp + row * xs, *rr = rp + row * rs;
+      vf acc = vzero();
+      int64_t d = 0;
+      for (; d + W <= n; d += W) {
+        const vf z = rnd<T>(vadd(vload(xr + d), vload(rr + d)));
+        vstore(rr + d, z);
+        acc = vfma(z, z, acc);
+      }
+      float ss = vhsum(acc);
+      for (; d < n; ++d) {
+        const float z = rnd1<T>(static_cast<float>(xr[d]) + static_cast<float>(rr[d]));
+        rr[d] = static_cast<T>(z);
+        ss += z * z;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      const vf vinv = vset1(inv);
+      for (d = 0; d + W <= n; d += W) {
+        vstore(xr + d, vmul(rnd<T>(vmul(vload(rr + d), vinv)), vload(wp + d)));
+      }
+      for (; d < n; ++d) {
+        xr[d] = static_cast<T>(rnd1<T>(static_cast<float>(rr[d]) * inv) * static_cast<float>(wp[d]));
+      }
+    }
+  });
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const char* what = "fused_add_rms_norm (cpu)";
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              what, ": x and residual [rows, N], weight [N]");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              what, ": x, residual and weight must share a dtype");
+  TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1 && weight.stride(0) == 1, what, ": rows must be contiguous");
+  switch (x.scalar_type()) {
+    case at::kFloat: add_rms_norm_kernel<float>(x, residual, weight, eps); break;
+    case at::kBFloat16: add_rms_norm_kernel<c10::BFloat16>(x, residual, weight, eps); break;
+    case at::kHalf: add_rms_norm_kernel<c10::Half>(x, residual, weight, eps); break;
+    default: TORCH_CHECK(false, what, ": dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+}
+
+template <typename T>
+void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = out.size(1), xs = x.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, rows_per_task(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T *gate = xp + row * xs, *up = gate + n;
+      T* o = op + row * os;
+      int64_t d = 0;
+      for (; d + W <= n; d += W) {
+        const vf g = vload(gate + d);
+        // silu(g) = g / (1 + e^-g), as torch computes it.
+        const vf silu = rnd<T>(vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))));
+        vstore(o + d, vmul(silu, vload(up + d)));
+      }
+      for (; d < n; ++d) {
+        const float g = static_cast<float>(gate[d]);
+        o[d] = static_cast<T>(rnd1<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[d]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const char* what = "silu_and_mul (cpu)";
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, what, ": input [rows, 2 I], rows contiguous");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: silu_and_mul_kernel<float>(x, out); break;
+    case at::kBFloat16: silu_and_mul_kernel<c10::BFloat16>(x, out); break;
+    case at::kHalf: silu_and_mul_kernel<c10::Half>(x, out); break;
+    default: TORCH_CHECK(false, what, ": dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+  return out;
+}
+
+template <typename T>
+void rotary_kernel(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = qk.size(0), heads = qk.size(1), half = qk.size(2) / 2;
+  const int64_t s0 = qk.stride(0), s1 = qk.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  T* xp = qk.data_ptr<T>();
+  const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, rows_per_task(heads * 2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T *c = cp + t * cs, *s = sp + t * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        T *x1 = xp + t * s0 + h * s1, *x2 = x1 + half;
+        int64_t d = 0;
+        for (; d + W <= half; d += W) {
+          const vf a = vload(x1 + d), b = vload(x2 + d), vc = vload(c + d), vs = vload(s + d);
+          // Each product rounded on its own (no FMA), as torch's x1 * cos - x2 * sin.
+          vstore(x1 + d, vsub(rnd<T>(vmul(a, vc)), rnd<T>(vmul(b, vs))));
+          vstore(x2 + d, vadd(rnd<T>(vmul(b, vc)), rnd<T>(vmul(a, vs))));
+        }
+        for (; d < half; ++d) {
+          const float a = static_cast<float>(x1[d]), b = static_cast<float>(x2[d]);
+          const float fc = static_cast<float>(c[d]), fs = static_cast<float>(s[d]);
+          x1[d] = static_cast<T>(rnd1<T>(a * fc) - rnd1<T>(b * fs));
+          x2[d] = static_cast<T>(rnd1<T>(b * fc) + rnd1<T>(a * fs));
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+  const char* what = "rotary_embedding (cpu)";
+  TORCH_CHECK(qk.dim() == 3 && qk.size(2) % 2 == 0 && qk.stride(2) == 1, what, ": qk [T, H, D], D contiguous and even");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qk.size(0) &&
+                  cos.size(1) == qk.size(2) / 2 && cos.stride(1) == 1 && sin.stride(1) == 1,
+              what, ": cos and sin [T, D / 2], rows contiguous");
+  TORCH_CHECK(cos.scalar_type() == qk.scalar_type() && sin.scalar_type() == qk.scalar_type(),
+              what, ": cos and sin must have qk's dtype");
+  switch (qk.scalar_type()) {
+    case at::kFloat: rotary_kernel<float>(qk, cos, sin); break;
+    case at::kBFloat16: rotary_kernel<c10::BFloat16>(qk, cos, sin); break;
+    case at::kHalf: rotary_kernel<c10::Half>(qk, cos, sin); break;
+    default: TORCH_CHECK(false, what, ": dtype ", qk.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -658,5 +863,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Causal attention of each sequence's queries over its paged context (decode when query_start_loc is None)",
         py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"));
+  m.def("write_kv_cache", &write_kv_cache, "Store each token's K/V at its slot (-1 = skip), in place",
+        py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "[rows, 2 I] -> silu(first half) * second half [rows, I]", py::arg("x"));
+  m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE on qk [T, H, D] in place", py::arg("qk"),
+        py::arg("cos"), py::arg("sin"));
   m.attr("vector_width") = W;
 }
