@@ -1,6 +1,7 @@
 """Paged-KV kernels: a plain-torch reference (test oracle, fallback), C++ CPU kernels and Triton kernels (CUDA).
 
-``get_backend`` picks one; all expose the same five functions, see ``AttentionBackend``.
+``get_backend`` picks one; all expose the same five attention functions and the same elementwise model ops,
+see ``AttentionBackend`` and ``ModelOps``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,31 @@ from kernels import reference
 
 
 @dataclass(frozen=True)
+class ModelOps:
+    """The elementwise ops of a decoder layer, fused (one pass over the rows, no temporaries) where the
+    backend has kernels for them. Same semantics in every backend (float32 math inside for half types):
+
+    - ``fused_add_rms_norm(x, residual, weight, eps) -> None``, in place (vLLM semantics): residual += x,
+      then x = rms_norm(residual) * weight; x, residual ``[..., N]``, weight ``[N]``.
+    - ``silu_and_mul(gate_up) -> Tensor``: ``[..., 2I] -> [..., I]``, silu(first half) * second half.
+    - ``rotary_embedding(qk, cos, sin) -> None``, in place on ``qk [T, H, D]`` (may be a strided view of the
+      fused QKV output), "rotate_half" layout; cos, sin ``[T, D/2]`` or ``[T, 1, D/2]`` in qk's dtype.
+    """
+
+    fused_add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    rotary_embedding: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _ops_from_module(module: Any) -> ModelOps:
+    return ModelOps(fused_add_rms_norm=module.fused_add_rms_norm, silu_and_mul=module.silu_and_mul,
+                    rotary_embedding=module.rotary_embedding)
+
+
+REFERENCE_OPS = _ops_from_module(reference)
+
+
+@dataclass(frozen=True)
 class AttentionBackend:
     name: str
     write_kv_cache: Callable[..., None]
@@ -23,9 +49,10 @@ class AttentionBackend:
     paged_attention_prefill: Callable[..., torch.Tensor]
     copy_blocks: Callable[..., None]
     swap_blocks: Callable[..., None]
+    ops: ModelOps = REFERENCE_OPS
 
 
-def _from_module(name: str, module: Any) -> AttentionBackend:
+def _from_module(name: str, module: Any, ops: ModelOps) -> AttentionBackend:
     return AttentionBackend(
         name=name,
         write_kv_cache=module.write_kv_cache,
@@ -33,6 +60,7 @@ def _from_module(name: str, module: Any) -> AttentionBackend:
         paged_attention_prefill=module.paged_attention_prefill,
         copy_blocks=module.copy_blocks,
         swap_blocks=module.swap_blocks,
+        ops=ops,
     )
 
 
@@ -54,18 +82,19 @@ def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> Atten
             log.warning("C++ CPU kernels unavailable (%s); using the torch reference kernels", exc)
             return get_backend("torch", device)
     if name == "torch":
-        return _from_module("torch", reference)
+        return _from_module("torch", reference, REFERENCE_OPS)
     if name == "cpu":
         from kernels import cpu_kernels
 
         cpu_kernels.load_extension()  # build or load now, not inside the first forward pass
-        return _from_module("cpu", cpu_kernels)
+        return _from_module("cpu", cpu_kernels, _ops_from_module(cpu_kernels))
     if name == "triton":
         # Imported lazily: importing triton is slow and decorating reads TRITON_INTERPRET at that moment.
         from kernels import triton_kernels
 
-        return _from_module("triton", triton_kernels)
+        # torch's own CUDA kernels for the elementwise ops: no Triton versions of them (yet).
+        return _from_module("triton", triton_kernels, REFERENCE_OPS)
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")
 
 
-__all__ = ["AttentionBackend", "get_backend", "reference"]
+__all__ = ["REFERENCE_OPS", "AttentionBackend", "ModelOps", "get_backend", "reference"]

@@ -1,11 +1,25 @@
-"""CPU kernels: decode attention in C++ (built on first use), the rest from the torch reference.
+"""CPU kernels in C++ (built on first use): paged attention, the KV-cache write, and the elementwise ops
+around them (``fused_add_rms_norm``, ``silu_and_mul``, ``rotary_embedding``, see ``kernels.ModelOps``);
+block copies come from the torch reference.
 
-Decode attention is the one kernel where the reference's approach (gather the blocks into a dense
-copy, then ``bmm``) costs most on CPU: attention is memory-bound there and the copy doubles the bytes
-moved. ``csrc/paged_attention_cpu.cpp`` reads each block in place instead. It is compiled with the
-machine's C++ compiler through ``torch.utils.cpp_extension`` the first time it is needed (tens of
-seconds) and cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``).
-``scripts/setup.sh`` builds it once so the first request does not pay for it.
+Attention is where the reference's approach (gather the blocks into a dense copy, then matmuls) costs most
+on CPU: it is memory-bound there and the copy doubles the bytes moved. ``csrc/cpu_kernels.cpp`` reads
+each block in place instead, for decode and for prefill chunks over a cached prefix alike. The
+elementwise ops each replace several torch ops (and their temporaries) with one pass over the rows.
+
+The source is compiled once per vector ISA, each build a separate extension (the ISA is part of its name,
+so a cache dir shared between machines never hands one CPU a binary built for another):
+
+- ``avx512bf16``: AVX-512 with native bfloat16 converts (Sapphire Rapids and later, Zen 4);
+- ``avx512``: AVX-512 F/BW/VL/DQ (Skylake-SP, Ice Lake);
+- ``avx2``: AVX2 + FMA + F16C (Haswell and later, Zen 1-3);
+- ``generic``: plain C++.
+
+The best one /proc/cpuinfo allows is used; ``CHATSVC_CPU_ISA`` forces another (one this CPU can run), so
+the AVX2 and generic builds are exercised on an AVX-512 machine too. Only builds actually asked for are
+compiled (tens of seconds each, with the machine's C++ compiler through ``torch.utils.cpp_extension``),
+then cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). ``scripts/setup.sh``
+builds the default one so the first request does not pay for it.
 """
 
 from __future__ import annotations
@@ -20,22 +34,54 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels.reference import copy_blocks, paged_attention_prefill, swap_blocks, write_kv_cache
+from kernels.reference import copy_blocks, swap_blocks
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+ISA_ENV = "CHATSVC_CPU_ISA"
+
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+# name -> (/proc/cpuinfo flags it needs, compiler flags), best first.
+ISAS: dict[str, tuple[frozenset[str], list[str]]] = {
+    "avx512bf16": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx512_bf16"}),
+                   [*_AVX512, "-mavx512bf16"]),
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"}), _AVX512),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ["-mavx2", "-mfma", "-mf16c"]),
+    "generic": (frozenset(), []),
+}
 
 
-def _isa_flags() -> tuple[str, list[str]]:
-    """Vector ISA flags this CPU supports; part of the module name, so a cache dir shared between
-    different CPUs never hands one a binary built for the other."""
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
-        cpu_flags = set(" ".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                                 if line.startswith("flags")).split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        cpu_flags = set()
-    if {"avx2", "fma", "f16c"} <= cpu_flags:
-        return "avx2", ["-mavx2", "-mfma", "-mf16c"]
-    return "generic", []
+        return frozenset()
+    return frozenset(" ".join(line.split(":", 1)[1] for line in lines if line.startswith("flags")).split())
+
+
+def supported_isas() -> list[str]:
+    """Every build this CPU can run, best first."""
+    return [name for name, (needs, _) in ISAS.items() if needs <= _cpu_flags()]
+
+
+def testable_isas() -> list[str]:
+    """The builds worth covering on this CPU: its best, plus each fallback of a different vector width
+    (the plain ``avx512`` build differs from ``avx512bf16`` only in its bfloat16 stores, so it stands in
+    for it only where it is the best)."""
+    isas = supported_isas()
+    return [isas[0], *(i for i in ("avx2", "generic") if i in isas[1:])]
+
+
+def selected_isa() -> str:
+    """``CHATSVC_CPU_ISA`` if set (it must be one this CPU runs), else the best this CPU runs."""
+    forced = os.environ.get(ISA_ENV)
+    if not forced:
+        return supported_isas()[0]
+    if forced not in ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISAS)}")
+    if forced not in supported_isas():
+        raise RuntimeError(f"{ISA_ENV}={forced!r}: this CPU lacks {' '.join(sorted(ISAS[forced][0] - _cpu_flags()))}")
+    return forced
 
 
 def _ninja_on_path() -> None:
@@ -46,34 +92,35 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-# The first failed build, kept so later engines fall back at once instead of compiling again (a minute).
-_build_failure: list[Exception] = []
+# The first failed build of each ISA, kept so later engines fall back at once instead of compiling again.
+_build_failure: dict[str, Exception] = {}
 
 
-def load_extension() -> ModuleType:
-    """Build (or load the cached build of) the C++ kernels. Raises if they cannot be built here."""
-    if _build_failure:
-        raise RuntimeError(f"the C++ CPU kernels failed to build earlier: {_build_failure[0]}")
+def load_extension(isa: str | None = None) -> ModuleType:
+    """Build (or load the cached build of) the C++ kernels for ``isa`` (default: ``selected_isa()``).
+    Raises if they cannot be built here."""
+    isa = isa or selected_isa()
+    if isa in _build_failure:
+        raise RuntimeError(f"the C++ CPU kernels ({isa}) failed to build earlier: {_build_failure[isa]}")
     try:
-        return _build()
+        return _build(isa)
     except Exception as exc:
-        _build_failure.append(exc)
+        _build_failure[isa] = exc
         raise
 
 
 @functools.cache
-def _build() -> ModuleType:
+def _build(isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-
-    isa, flags = _isa_flags()
     return cpp_extension.load(
-        name=f"chatsvc_paged_attention_cpu_{isa}",
+        name=f"chatsvc_cpu_kernels_{isa}",
         sources=[str(SOURCE)],
         # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
-        # The extension then shares the libgomp torch already loaded (same soname).
-        extra_cflags=["-O3", "-fopenmp", *flags],
+        # The extension then shares the libgomp torch already loaded (same soname). No FMA contraction
+        # of plain C++ expressions: the elementwise ops round exactly as torch's own kernels do.
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *ISAS[isa][1]],
         extra_ldflags=["-fopenmp"],
         verbose=bool(os.environ.get("CHATSVC_VERBOSE_BUILD")),
     )
@@ -90,14 +137,68 @@ def paged_attention_decode(
 ) -> Tensor:
     """One query token per sequence attends to its whole context, read through the block table."""
     del max_context_len  # the kernel walks each sequence's own length
-    ext = load_extension()
-    return ext.paged_attention_decode(query, k_cache, v_cache, block_tables.to(torch.int32),
-                                      context_lens.to(torch.int32), float(scale))
+    return load_extension().paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32), None,
+                                            context_lens.to(torch.int32), float(scale))
 
 
-__all__ = ["copy_blocks", "load_extension", "paged_attention_decode", "paged_attention_prefill", "swap_blocks",
-           "write_kv_cache"]
+def paged_attention_prefill(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    query_start_loc: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_context_len: int | None = None,
+) -> Tensor:
+    """Each sequence's queries (the last ``query_start_loc[i+1] - query_start_loc[i]`` tokens of its
+    context) attend causally to its context, cached prefix included, read through the block table."""
+    del max_query_len, max_context_len  # the kernel walks each sequence's own lengths
+    return load_extension().paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32),
+                                            query_start_loc.to(torch.int32), context_lens.to(torch.int32),
+                                            float(scale))
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_kernels`: build now (scripts/setup.sh does)
-    print(f"built {load_extension().__file__}")
+def write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store each token's K/V ``[T, Hkv, D]`` at its slot (``block_id * block_size + offset``; -1 = skip).
+    In place; key/value may be strided views (e.g. of the fused QKV projection)."""
+    load_extension().write_kv_cache(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
+                                    slot_mapping.to(torch.int64))
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """In place, vLLM's fused_add_rms_norm: ``residual += x``, then ``x = rms_norm(residual) * weight``.
+
+    x, residual ``[..., N]`` with contiguous rows, same dtype as weight ``[N]``. float32 math; for half types
+    the sum and the normalized value are rounded to the storage type before the weight multiply, as
+    ``h + out`` then HF's ``weight * norm(h).to(dtype)`` do.
+    """
+    n = x.shape[-1]
+    load_extension().fused_add_rms_norm(x.view(-1, n), residual.view(-1, n), weight, float(eps))
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """``[..., 2I] -> [..., I]``: ``silu(gate_up[..., :I]) * gate_up[..., I:]`` (the fused gate/up projection's
+    output, rows contiguous)."""
+    out = load_extension().silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+    return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+
+def rotary_embedding(qk: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """In place on ``qk [T, H, D]`` (a strided view of the QKV projection is fine, D contiguous), the
+    "rotate_half" layout: x1 <- x1 cos - x2 sin, x2 <- x2 cos + x1 sin for the halves x1, x2 of each head.
+    cos, sin ``[T, D/2]`` (or ``[T, 1, D/2]``) in qk's dtype. In float32 this rounds exactly as the torch
+    expression does (two products, then one add or subtract)."""
+    half = qk.shape[-1] // 2
+    load_extension().rotary_embedding(qk, cos.reshape(-1, half), sin.reshape(-1, half))
+
+
+__all__ = ["ISAS", "copy_blocks", "fused_add_rms_norm", "load_extension", "paged_attention_decode",
+           "paged_attention_prefill", "rotary_embedding", "selected_isa", "silu_and_mul", "supported_isas",
+           "swap_blocks", "testable_isas", "write_kv_cache"]
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_kernels [ISA...]`: build now (scripts/setup.sh does)
+    for name in sys.argv[1:] or [selected_isa()]:
+        print(f"built {load_extension(name).__file__}")

@@ -162,6 +162,33 @@ def paged_attention_prefill(
     return out
 
 
+# ---- elementwise ops around attention (see kernels.ModelOps) -------------------------------------
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+    """In place: ``residual += x``, then ``x = rms_norm(residual) * weight`` (x, residual [..., N])."""
+    residual.add_(x)
+    x.copy_(F.rms_norm(residual, (residual.shape[-1],), weight, eps))
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """``[..., 2I] -> [..., I]``: silu of the first half times the second half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(qk: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """In place on ``qk [T, H, D]`` (may be a strided view), "rotate_half" layout: with x1, x2 the two
+    halves of each head, x1 <- x1 cos - x2 sin and x2 <- x2 cos + x1 sin; cos, sin ``[T, D/2]`` (or
+    ``[T, 1, D/2]``) for each token's position."""
+    half = qk.shape[-1] // 2
+    cos, sin = cos.reshape(qk.shape[0], 1, half), sin.reshape(qk.shape[0], 1, half)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    out1, out2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin  # both from the inputs, before any write
+    x1.copy_(out1)
+    x2.copy_(out2)
+
+
 def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
     """Copy whole blocks (src -> dst) in every layer's K and V (copy-on-write). In place."""
     if block_mapping.numel() == 0:

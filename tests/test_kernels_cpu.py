@@ -1,4 +1,4 @@
-"""The C++ CPU decode kernel against a float64 oracle and the torch reference.
+"""The C++ CPU kernels against a float64 oracle and the torch reference, in every ISA build this CPU runs.
 
 Caches are filled with NaN wherever no token was written and block tables are padded with a poison
 block: the kernel walks each sequence's own context through its table, so a NaN in the output means
@@ -17,6 +17,14 @@ from kernels.testing import PagedProblem, make_problem, naive_attention
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+@pytest.fixture(params=cpu_kernels.testable_isas())
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test on one ISA build, chosen the way a deployment would force it."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, request.param)
+    assert cpu_kernels.selected_isa() == request.param
+    return str(request.param)
+
+
 @pytest.fixture
 def gen(request: pytest.FixtureRequest) -> torch.Generator:
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
@@ -29,14 +37,28 @@ def _decode(p: PagedProblem, query: torch.Tensor | None = None) -> torch.Tensor:
                                               p.block_tables, p.context_lens, p.scale)
 
 
+def _prefill(p: PagedProblem, query: torch.Tensor | None = None) -> torch.Tensor:
+    return cpu_kernels.paged_attention_prefill(query if query is not None else p.query, p.k_cache, p.v_cache,
+                                               p.block_tables, p.query_start_loc, p.context_lens, p.scale)
+
+
 def _reference(p: PagedProblem) -> torch.Tensor:
     k, v = p.k_cache.nan_to_num(nan=3.0), p.v_cache.nan_to_num(nan=3.0)
-    return reference.paged_attention_decode(p.query, k, v, p.block_tables, p.context_lens, p.scale)
+    return reference.paged_attention_prefill(p.query, k, v, p.block_tables, p.query_start_loc, p.context_lens,
+                                             p.scale)
+
+
+def _check(p: PagedProblem, out: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == p.query.shape
+    assert not out.isnan().any(), "a slot past a context (NaN) was read"
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), naive_attention(p), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), _reference(p).float(), atol=tol, rtol=tol)
 
 
 # (block_size, group, head_dim, context_lens, dtype, shared_blocks): contexts of 1 token, one block exactly,
 # one block + 1, many blocks; GQA groups 1/3/4; head sizes on the vector path (64, 128) and off it (24).
-CASES = [
+DECODE_CASES = [
     (16, 3, 64, [1, 16, 17, 300], torch.float32, 0),
     (8, 1, 128, [9, 8, 1, 64], torch.float32, 1),
     (16, 3, 64, [40, 1, 130], torch.bfloat16, 2),
@@ -45,54 +67,202 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("block_size", "group", "head_dim", "context_lens", "dtype", "shared"), CASES)
-def test_decode_matches_oracle_and_reference(gen: torch.Generator, block_size: int, group: int, head_dim: int,
-                                             context_lens: list[int], dtype: torch.dtype, shared: int) -> None:
+@pytest.mark.parametrize(("block_size", "group", "head_dim", "context_lens", "dtype", "shared"), DECODE_CASES)
+def test_decode_matches_oracle_and_reference(isa: str, gen: torch.Generator, block_size: int, group: int,
+                                             head_dim: int, context_lens: list[int], dtype: torch.dtype,
+                                             shared: int) -> None:
     p = make_problem(context_lens, block_size=block_size, group=group, head_dim=head_dim, dtype=dtype,
                      shared_blocks=shared, generator=gen)
-    out = _decode(p)
-    assert out.dtype == dtype and out.shape == p.query.shape
-    assert not out.isnan().any(), "a slot past a context (NaN) was read"
-    tol = TOL[dtype]
-    torch.testing.assert_close(out.double(), naive_attention(p), atol=tol, rtol=tol)
-    torch.testing.assert_close(out.float(), _reference(p).float(), atol=tol, rtol=tol)
+    _check(p, _decode(p), dtype)
 
 
-def test_decode_reads_strided_query_rows(gen: torch.Generator) -> None:
+# Mixed batches: a decode-like single query, a chunk over a cached prefix, a whole prompt (no prefix),
+# contexts ending mid-block and on a block edge, query tiles (16 tokens) cut mid-sequence.
+PREFILL_CASES = [
+    (8, 1, 64, [40, 17, 8, 1], [40, 3, 1, 1], torch.float32, 0),
+    (16, 3, 64, [70, 33, 20], [35, 33, 1], torch.float32, 1),
+    (32, 4, 128, [50, 64, 9], [17, 64, 9], torch.float32, 1),
+    (16, 3, 64, [45, 30, 2], [45, 12, 2], torch.bfloat16, 1),
+    (32, 4, 64, [40, 80], [23, 40], torch.float16, 0),
+    (8, 3, 24, [29, 7, 16], [10, 7, 1], torch.float32, 0),
+]
+
+
+@pytest.mark.parametrize(("block_size", "group", "head_dim", "context_lens", "query_lens", "dtype", "shared"),
+                         PREFILL_CASES)
+def test_prefill_matches_oracle_and_reference(isa: str, gen: torch.Generator, block_size: int, group: int,
+                                              head_dim: int, context_lens: list[int], query_lens: list[int],
+                                              dtype: torch.dtype, shared: int) -> None:
+    p = make_problem(context_lens, query_lens, block_size=block_size, group=group, head_dim=head_dim,
+                     dtype=dtype, shared_blocks=shared, generator=gen)
+    _check(p, _prefill(p), dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_prefill_every_cached_prefix_length(isa: str, gen: torch.Generator, block_size: int) -> None:
+    """One sequence per prefix length 0..N-1 of the same N-token context, all in one batch."""
+    n = 37
+    p = make_problem([n] * n, [n - prefix for prefix in range(n)], block_size=block_size, group=3,
+                     num_kv_heads=1, generator=gen)
+    _check(p, _prefill(p), torch.float32)
+
+
+def test_long_context_split_across_threads(isa: str, gen: torch.Generator) -> None:
+    """Fewer (sequence, KV head) items than threads: each context is cut into parts run in parallel,
+    then merged; the merge must weigh the parts by their own softmax maxima."""
+    p = make_problem([1500, 700], [1, 20], num_kv_heads=1, group=4, generator=gen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(8)
+    try:
+        out = _prefill(p)
+    finally:
+        torch.set_num_threads(threads)
+    _check(p, out, torch.float32)
+
+
+def test_reads_strided_query_rows(isa: str, gen: torch.Generator) -> None:
     """The model hands over q as a view of the fused Q/K projection (rows further apart than Hq * D)."""
-    p = make_problem([20, 7], group=3, num_kv_heads=2, generator=gen)
-    wide = torch.cat([p.query, torch.randn(2, 2, 64, generator=gen)], dim=1)  # [B, Hq + Hkv, D]
+    p = make_problem([20, 7], [5, 1], group=3, num_kv_heads=2, generator=gen)
+    wide = torch.cat([p.query, torch.randn(6, 2, 64, generator=gen)], dim=1)  # [T, Hq + Hkv, D]
     view = wide[:, : p.query.shape[1]]
     assert not view.is_contiguous()
-    torch.testing.assert_close(_decode(p, view), _decode(p), atol=0, rtol=0)
+    torch.testing.assert_close(_prefill(p, view), _prefill(p), atol=0, rtol=0)
 
 
-def test_decode_rejects_block_ids_outside_the_cache(gen: torch.Generator) -> None:
+def test_rejects_block_ids_outside_the_cache(isa: str, gen: torch.Generator) -> None:
     p = make_problem([20, 7], generator=gen)
     p.block_tables[1, 0] = p.k_cache.shape[0]
     with pytest.raises(RuntimeError, match="outside the cache"):
         _decode(p)
+    p.block_tables[1, 0] = -1
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _prefill(p)
 
 
-def test_decode_rejects_unsupported_dtype(gen: torch.Generator) -> None:
+def test_rejects_inconsistent_lengths(isa: str, gen: torch.Generator) -> None:
+    p = make_problem([20, 7], [3, 2], generator=gen)
+    p.context_lens[1] = 1  # two queries cannot be the last tokens of a 1-token context
+    with pytest.raises(RuntimeError, match="queries but a context of"):
+        _prefill(p)
+    p.context_lens[1] = p.block_tables.shape[1] * p.k_cache.shape[1] + 1
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        _prefill(p)
+
+
+def test_rejects_unsupported_dtype(isa: str, gen: torch.Generator) -> None:
     p = make_problem([5], generator=gen)
     p.query, p.k_cache, p.v_cache = p.query.double(), p.k_cache.double(), p.v_cache.double()
     with pytest.raises(RuntimeError, match="not supported"):
         _decode(p)
 
 
+def test_isa_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    supported = cpu_kernels.supported_isas()
+    assert supported[-1] == "generic"
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    assert cpu_kernels.selected_isa() == supported[0]
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx3000")
+    with pytest.raises(ValueError, match="expected one of"):
+        cpu_kernels.selected_isa()
+    unsupported = [isa for isa in cpu_kernels.ISAS if isa not in supported]
+    if unsupported:
+        monkeypatch.setenv(cpu_kernels.ISA_ENV, unsupported[0])
+        with pytest.raises(RuntimeError, match="this CPU lacks"):
+            cpu_kernels.selected_isa()
+
+
 def test_auto_backend_is_cpu_and_falls_back_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernels.get_backend("auto", "cpu").name == "cpu"
     builds = []
 
-    def broken() -> None:
-        builds.append(1)
+    def broken(isa: str) -> None:
+        builds.append(isa)
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(cpu_kernels, "_build", broken)
-    monkeypatch.setattr(cpu_kernels, "_build_failure", [])
+    monkeypatch.setattr(cpu_kernels, "_build_failure", {})
     assert kernels.get_backend("auto", "cpu").name == "torch"
     assert kernels.get_backend("auto", "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="no compiler"):
         kernels.get_backend("cpu", "cpu")
     assert len(builds) == 1, "a failed build must not be retried by every new engine"
+
+
+# ---- KV-cache write and the elementwise ops -----------------------------------------------------------
+
+OPS_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype) -> None:
+    """K/V arrive as strided views of the fused QKV output; slot -1 (padding) is not stored."""
+    num_blocks, block_size, heads, dim, tokens = 6, 8, 3, 64, 11
+    qkv = torch.randn(tokens, 3 * heads, dim, generator=gen).to(dtype)
+    key, value = qkv[:, heads: 2 * heads], qkv[:, 2 * heads:]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[2, 7]] = -1
+    kv = torch.randn(2, 2, num_blocks, block_size, heads, dim, generator=gen).to(dtype)  # [layers, K|V, ...]
+    expected = kv.clone()
+    reference.write_kv_cache(key, value, expected[1, 0], expected[1, 1], slots)
+    cpu_kernels.write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
+    torch.testing.assert_close(kv, expected, atol=0, rtol=0)
+    slots[0] = num_blocks * block_size
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_add_rms_norm_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype) -> None:
+    rows, hidden = 37, 576 + 3  # a scalar tail after the vectors
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = torch.rand(hidden, generator=gen).to(dtype)
+    x_ref, res_ref = x.clone(), residual.clone()
+    reference.fused_add_rms_norm(x_ref, res_ref, weight, 1e-5)
+    cpu_kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, res_ref, atol=0, rtol=0)  # one rounded add either way
+    tol = OPS_TOL[dtype]
+    torch.testing.assert_close(x, x_ref, atol=tol, rtol=tol)
+    # and against float64 math on the stored residual
+    r = res_ref.double()
+    expected = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    torch.testing.assert_close(x.double(), expected, atol=tol * 2, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_and_mul_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype) -> None:
+    rows, inter = 9, 1536 + 5
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # e^-g at and past float's range
+    out = cpu_kernels.silu_and_mul(gate_up)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    tol = OPS_TOL[dtype]
+    torch.testing.assert_close(out, reference.silu_and_mul(gate_up), atol=tol, rtol=tol)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(out.double(), g * torch.sigmoid(g) * u, atol=tol * 2, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rotary_embedding_matches_reference(isa: str, gen: torch.Generator, dtype: torch.dtype,
+                                            head_dim: int) -> None:
+    """In place on the Q and K heads of a fused QKV output (a strided view); V must stay untouched."""
+    tokens, q_heads, kv_heads = 13, 9, 3
+    qkv = torch.randn(tokens, q_heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    expected = qkv.clone()
+    reference.rotary_embedding(expected[:, : q_heads + kv_heads], cos, sin)
+    qk = qkv[:, : q_heads + kv_heads]
+    assert not qk.is_contiguous()
+    cpu_kernels.rotary_embedding(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    # float32: the same two products and one add per element, so bit for bit; half types round once less.
+    tol = 0.0 if dtype == torch.float32 else OPS_TOL[dtype]
+    torch.testing.assert_close(qkv, expected, atol=tol, rtol=tol)
+
+
+def test_cpu_backend_exposes_the_cpu_ops() -> None:
+    backend = kernels.get_backend("cpu", "cpu")
+    assert backend.ops.silu_and_mul is cpu_kernels.silu_and_mul
+    assert backend.write_kv_cache is cpu_kernels.write_kv_cache
+    assert kernels.get_backend("torch", "cpu").ops is kernels.REFERENCE_OPS

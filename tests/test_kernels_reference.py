@@ -175,3 +175,26 @@ def test_decode_many_sequences_of_mixed_lengths(gen: torch.Generator, dtype: tor
     lens[20] = 199
     p = make_problem(lens, block_size=16, group=3, head_dim=64, dtype=dtype, fill=GARBAGE, generator=gen)
     _close(_decode(p), naive_attention(p), dtype)
+
+
+def test_reference_model_ops_against_float64(gen: torch.Generator) -> None:
+    """The torch versions of ModelOps (used by the torch and Triton backends) do what they document."""
+    x, residual, weight = torch.randn(5, 40, generator=gen), torch.randn(5, 40, generator=gen), torch.rand(40)
+    x64, r64 = x.double(), residual.double()
+    reference.fused_add_rms_norm(x, residual, weight, 1e-6)
+    s = x64 + r64
+    torch.testing.assert_close(residual.double(), s)
+    torch.testing.assert_close(x.double(), s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double())
+
+    gate_up = torch.randn(4, 2, 30, generator=gen)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(reference.silu_and_mul(gate_up).double(), g * torch.sigmoid(g) * u)
+
+    qk = torch.randn(6, 3, 8, generator=gen)
+    angles = torch.rand(6, 4, generator=gen) * 10
+    rotated = qk.double().clone()
+    x1, x2 = rotated[..., :4].clone(), rotated[..., 4:].clone()
+    c, s_ = angles.cos().double()[:, None], angles.sin().double()[:, None]
+    rotated[..., :4], rotated[..., 4:] = x1 * c - x2 * s_, x2 * c + x1 * s_
+    reference.rotary_embedding(qk, angles.cos(), angles.sin())
+    torch.testing.assert_close(qk.double(), rotated)

@@ -1,0 +1,874 @@
+// CPU kernels for the engine: paged attention (decode and prefill in one varlen kernel), the KV-cache
+// write, and the small elementwise ops around them that a layer otherwise runs as several torch ops.
+//
+// One source, compiled once per vector ISA (kernels/cpu_kernels.py passes the flags and picks the build
+// at run time): AVX-512 (with native bfloat16 converts where the CPU has AVX512-BF16), AVX2, or plain
+// C++. The code below is written once against a small vector layer ("vf", W floats wide) whose scalar
+// version (W = 1) is the generic build.
+//
+// Layouts (see kernels/__init__.py): queries [T, Hq, D]; a layer's cache [num_blocks, block_size, Hkv, D]
+// with D contiguous; block_tables int32 [B, max_blocks]; query_start_loc int32 [B + 1]; context_lens
+// int32 [B] (tokens in cache after this step's writes).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---- the vector layer -----------------------------------------------------------------------------
+// load: storage type -> float32 lanes; store: float32 lanes -> storage type, rounding to nearest even.
+
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vhsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen to 32 bits and shift into place.
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline vf vload(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void vstore(c10::BFloat16* p, vf v) {
+#if defined(__AVX512BF16__)
+  // Native convert (round to nearest even; it flushes float32 denormals, which bfloat16 barely has).
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc00000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#endif
+}
+inline void vstore(c10::Half* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {  // 2^n for integral n in float's normal exponent range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int64_t W = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vhsum(vf v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vhmax(vf v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vf vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void vstore(c10::BFloat16* p, vf v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  // 32 -> 16 bits: pack works within 128-bit lanes, so gather the two useful quarters afterwards.
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(r, 16), _mm256_setzero_si256());
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+inline void vstore(c10::Half* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+
+#else  // generic: one lane, plain C++ (the compiler may still vectorize the loops)
+constexpr int64_t W = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vset1(float x) { return x; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vsub(vf a, vf b) { return a - b; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vdiv(vf a, vf b) { return a / b; }
+inline vf vmax(vf a, vf b) { return std::max(a, b); }
+inline vf vmin(vf a, vf b) { return std::min(a, b); }
+inline vf vfma(vf a, vf b, vf c) { return std::fma(a, b, c); }
+inline float vhsum(vf v) { return v; }
+inline float vhmax(vf v) { return v; }
+template <typename T> inline vf vload(const T* p) { return static_cast<float>(*p); }
+template <typename T> inline void vstore(T* p, vf v) { *p = static_cast<T>(v); }
+inline vf vround(vf x) { return std::nearbyint(x); }
+inline vf vpow2i(vf n) { return std::ldexp(1.f, static_cast<int>(n)); }
+#endif
+
+// e^x, x clamped to [-87, 88] (e^-87 is near float's smallest normal, e^88 near its largest):
+// x = n ln2 + r, |r| <= ln2 / 2, e^r by the Cephes expf polynomial (about 1 ulp), 2^n in the exponent.
+inline vf vexp(vf x) {
+  x = vmin(vmax(x, vset1(-87.0f)), vset1(88.0f));
+  const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
+  // r = x - n ln2, with ln2 split in two so the product is exact enough.
+  vf r = vsub(x, vmul(n, vset1(0.693359375f)));
+  r = vsub(r, vmul(n, vset1(-2.12194440e-4f)));
+  vf p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
+  return vmul(p, vpow2i(n));
+}
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t n) {
+  vf a0 = vzero(), a1 = vzero();
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    a0 = vfma(vload(q + d), vload(k + d), a0);
+    a1 = vfma(vload(q + d + W), vload(k + d + W), a1);
+  }
+  for (; d + W <= n; d += W) a0 = vfma(vload(q + d), vload(k + d), a0);
+  float s = vhsum(vadd(a0, a1));
+  for (; d < n; ++d) s += q[d] * static_cast<float>(k[d]);
+  return s;
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
+}
+
+// ---- paged attention ---------------------------------------------------------------------------------
+//
+// Work item: one sequence, one KV head, a tile of up to kQueryTile consecutive query tokens, and a range
+// of KV positions. Its rows are every (query token, query head of the KV head's GQA group) pair, so each
+// K/V row read from the pool serves all of them. The KV range is walked in chunks of kChunk positions
+// read in place through the block table, with an online (running max) softmax in float32. When there
+// are fewer items than threads (a few long decodes), each item's KV range is split into parts that run
+// in parallel and are merged afterwards.
+
+constexpr int64_t kQueryTile = 32;
+constexpr int64_t kChunk = 64;
+constexpr int64_t kMinSplit = 256;  // below this a KV part costs less than its merge
+constexpr int64_t kTiledRows = 8;   // rows from which transposing a chunk of K pays for itself
+static_assert(kChunk % (4 * W) == 0, "scores_tiled writes whole groups of four vectors");
+
+struct Item {
+  int32_t seq, kv_head, q_begin, q_end;  // query tokens [q_begin, q_end) of the sequence (0 = its first)
+  int32_t kv_begin, kv_end;               // KV positions; a query at position p also stops at p + 1
+  int64_t partial;                        // first row in the partial buffers, or -1: write the output
+  int64_t cost;
+};
+
+struct Merge {
+  int32_t seq, kv_head, q_begin, q_end, parts;
+  int64_t partial;
+};
+
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, kt, vf;
+  std::vector<const void*> krow, vrow, vrow_f;
+};
+
+template <typename T>
+struct Attention {
+  const T *q, *k, *v;
+  T* out;
+  const int32_t *tables, *starts, *lens;
+  int64_t q_s0, q_s1, o_s0, o_s1, kb, kt, kh, vb, vt, vh;
+  int64_t max_blocks, block_size, group, head_dim;
+  float scale;
+  float *p_acc, *p_m, *p_l;  // partial results of split items: [rows, D], [rows], [rows]
+
+  // Position in the context of the sequence's query token i.
+  int64_t pos(int64_t seq, int64_t i) const {
+    return lens[seq] - (starts[seq + 1] - starts[seq]) + i;
+  }
+
+  void run(const Item& it, Scratch& sc) const {
+    const int64_t D = head_dim, n_q = it.q_end - it.q_begin, R = n_q * group;
+    const int64_t tok0 = starts[it.seq] + it.q_begin;
+    float *Q = sc.q.data(), *acc = sc.acc.data(), *S = sc.s.data(), *M = sc.m.data(), *L = sc.l.data();
+    for (int64_t i = 0; i < n_q; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q + (tok0 + i) * q_s0 + (it.kv_head * group + g) * q_s1;
+        float* dst = Q + (i * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
+      }
+    }
+    std::fill(acc, acc + R * D, 0.f);
+    std::fill(M, M + R, -std::numeric_limits<float>::infinity());
+    std::fill(L, L + R, 0.f);
+    const int32_t* table = tables + it.seq * max_blocks;
+    const int64_t first_pos = pos(it.seq, it.q_begin);
+    const int64_t kv_hi = std::min<int64_t>(it.kv_end, pos(it.seq, it.q_end - 1) + 1);
+    const T** krow = reinterpret_cast<const T**>(sc.krow.data());
+    const T** vrow = reinterpret_cast<const T**>(sc.vrow.data());
+
+    // Many rows (prefill tiles): K is transposed into float32 once per chunk, so each row's scores are
+    // broadcast-FMAs over whole vectors of positions, and half-type V rows are widened once. Few rows
+    // (decode): per-position dot products straight from the pool beat paying for the copy.
+    const bool tiled = R >= kTiledRows;
+    float *Kt = sc.kt.data(), *Vf = sc.vf.data();
+    const float** vrow_f = reinterpret_cast<const float**>(sc.vrow_f.data());
+
+    for (int64_t c0 = it.kv_begin; c0 < kv_hi; c0 += kChunk) {
+      const int64_t cn = std::min(kChunk, kv_hi - c0);
+      for (int64_t j = 0; j < cn; ++j) {
+        const int64_t p = c0 + j, blk = table[p / block_size], off = p % block_size;
+        krow[j] = k + blk * kb + off * kt + it.kv_head * kh;
+        vrow[j] = v + blk * vb + off * vt + it.kv_head * vh;
+        prefetch(vrow[j], D * static_cast<int64_t>(sizeof(T)));  // read after the scores
+      }
+      if (tiled) {
+        const int64_t cols = std::min(kChunk, (cn + 4 * W - 1) / (4 * W) * (4 * W));
+        for (int64_t d = 0; d < D; ++d) {
+          float* dst = Kt + d * kChunk;
+          for (int64_t j = 0; j < cn; ++j) dst[j] = static_cast<float>(krow[j][d]);
+          std::fill(dst + cn, dst + cols, 0.f);  // scored, never used: keep them finite
+        }
+        for (int64_t j = 0; j < cn; ++j) {
+          if constexpr (std::is_same_v<T, float>) {
+            vrow_f[j] = vrow[j];
+          } else {
+            widen(vrow[j], Vf + j * D, D);
+            vrow_f[j] = Vf + j * D;
+          }
+        }
+      }
+      // Causal: row r (query r / group) sees positions <= its own; later queries see at least as much.
+      auto visible = [&](int64_t r) { return std::min(cn, first_pos + r / group + 1 - c0); };
+      if (!tiled) {
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t n = visible(r);
+          if (n <= 0) continue;
+          float* s = S + r * kChunk;
+          for (int64_t j = 0; j < n; ++j) s[j] = dot(Q + r * D, krow[j], D);
+          softmax_step(s, n, M[r], L[r], acc + r * D);
+          accumulate(s, n, vrow, acc + r * D);
+        }
+        continue;
+      }
+      // Two rows at a time: eight independent FMA chains hide the FMA latency that four would expose.
+      for (int64_t r = 0; r < R; r += 2) {
+        const int64_t r1 = std::min(r + 1, R - 1);  // an odd last row is paired with itself
+        const int64_t n0 = visible(r), n1 = visible(r1), n = std::max(n0, n1);
+        if (n <= 0) continue;
+        float *s0 = S + r * kChunk, *s1 = S + r1 * kChunk;
+        scores_tiled(Q + r * D, Q + r1 * D, Kt, n, s0, s1);
+        // A row that sees fewer positions weighs the rest 0, so both accumulate over the same n.
+        if (r1 == r) {
+          softmax_step(s0, n, M[r], L[r], acc + r * D);
+          accumulate(s0, n, vrow_f, acc + r * D);
+          continue;
+        }
+        for (auto [row, s_row, n_row] : {std::tuple{r, s0, n0}, std::tuple{r1, s1, n1}}) {
+          if (n_row > 0) softmax_step(s_row, n_row, M[row], L[row], acc + row * D);
+          std::fill(s_row + std::max<int64_t>(n_row, 0), s_row + n, 0.f);
+        }
+        accumulate2(s0, s1, n, vrow_f, acc + r * D, acc + r1 * D);
+      }
+    }
+
+    if (it.partial >= 0) {
+      std::memcpy(p_acc + it.partial * D, acc, R * D * sizeof(float));
+      std::memcpy(p_m + it.partial, M, R * sizeof(float));
+      std::memcpy(p_l + it.partial, L, R * sizeof(float));
+      return;
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      write_row(acc + r * D, 1.f / L[r], tok0 + r / group, it.kv_head * group + r % group);
+    }
+  }
+
+  // Scores s[0..n) of one row -> unnormalized probabilities under the row's running max m, which may
+  // grow (then the sum l and the accumulator so far are rescaled to the new max).
+  void softmax_step(float* s, int64_t n, float& m, float& l, float* acc_row) const {
+    int64_t j = 0;
+    float mx = -std::numeric_limits<float>::infinity();
+    if (n >= W) {
+      vf vm = vload(s);
+      for (j = W; j + W <= n; j += W) vm = vmax(vm, vload(s + j));
+      mx = vhmax(vm);
+    }
+    for (; j < n; ++j) mx = std::max(mx, s[j]);
+    if (mx > m) {
+      const float alpha = std::exp(m - mx);  // 0 on the first chunk (m = -inf)
+      l *= alpha;
+      if (alpha != 0.f) scale_row(acc_row, alpha);
+      m = mx;
+    }
+    const vf vm = vset1(m);
+    vf vsum = vzero();
+    for (j = 0; j + W <= n; j += W) {
+      const vf e = vexp(vsub(vload(s + j), vm));
+      vstore(s + j, e);
+      vsum = vadd(vsum, e);
+    }
+    float sum = vhsum(vsum);
+    for (; j < n; ++j) {
+      s[j] = std::exp(s[j] - m);
+      sum += s[j];
+    }
+    l += sum;
+  }
+
+  // s0/s1[0..n) = q0/q1 . K[j] for K transposed [D, kChunk]: four vectors of positions per pass over D.
+  void scores_tiled(const float* q0, const float* q1, const float* Kt, int64_t n, float* s0, float* s1) const {
+    for (int64_t c = 0; c < n; c += 4 * W) {
+      vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+      vf b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+      const float* col = Kt + c;
+      for (int64_t d = 0; d < head_dim; ++d, col += kChunk) {
+        const vf x = vset1(q0[d]), y = vset1(q1[d]);
+        const vf k0 = vload(col), k1 = vload(col + W), k2 = vload(col + 2 * W), k3 = vload(col + 3 * W);
+        a0 = vfma(x, k0, a0);
+        a1 = vfma(x, k1, a1);
+        a2 = vfma(x, k2, a2);
+        a3 = vfma(x, k3, a3);
+        b0 = vfma(y, k0, b0);
+        b1 = vfma(y, k1, b1);
+        b2 = vfma(y, k2, b2);
+        b3 = vfma(y, k3, b3);
+      }
+      vstore(s0 + c, a0);
+      vstore(s0 + c + W, a1);
+      vstore(s0 + c + 2 * W, a2);
+      vstore(s0 + c + 3 * W, a3);
+      vstore(s1 + c, b0);
+      vstore(s1 + c + W, b1);
+      vstore(s1 + c + 2 * W, b2);
+      vstore(s1 + c + 3 * W, b3);
+    }
+  }
+
+  // acc0 += sum_j p0[j] V[j] and acc1 += sum_j p1[j] V[j], sharing the loads of V.
+  void accumulate2(const float* p0, const float* p1, int64_t n, const float* const* vrows, float* acc0,
+                   float* acc1) const {
+    const int64_t D = head_dim;
+    int64_t d = 0;
+    for (; d + 4 * W <= D; d += 4 * W) {
+      vf a0 = vload(acc0 + d), a1 = vload(acc0 + d + W), a2 = vload(acc0 + d + 2 * W), a3 = vload(acc0 + d + 3 * W);
+      vf b0 = vload(acc1 + d), b1 = vload(acc1 + d + W), b2 = vload(acc1 + d + 2 * W), b3 = vload(acc1 + d + 3 * W);
+      for (int64_t j = 0; j < n; ++j) {
+        const vf x = vset1(p0[j]), y = vset1(p1[j]);
+        const float* v = vrows[j] + d;
+        const vf v0 = vload(v), v1 = vload(v + W), v2 = vload(v + 2 * W), v3 = vload(v + 3 * W);
+        a0 = vfma(x, v0, a0);
+        a1 = vfma(x, v1, a1);
+        a2 = vfma(x, v2, a2);
+        a3 = vfma(x, v3, a3);
+        b0 = vfma(y, v0, b0);
+        b1 = vfma(y, v1, b1);
+        b2 = vfma(y, v2, b2);
+        b3 = vfma(y, v3, b3);
+      }
+      vstore(acc0 + d, a0);
+      vstore(acc0 + d + W, a1);
+      vstore(acc0 + d + 2 * W, a2);
+      vstore(acc0 + d + 3 * W, a3);
+      vstore(acc1 + d, b0);
+      vstore(acc1 + d + W, b1);
+      vstore(acc1 + d + 2 * W, b2);
+      vstore(acc1 + d + 3 * W, b3);
+    }
+    if (d < D) {  // head sizes off the 4-vector grid: the rest one row at a time
+      accumulate_from(p0, n, vrows, acc0, d);
+      accumulate_from(p1, n, vrows, acc1, d);
+    }
+  }
+
+  static void widen(const T* src, float* dst, int64_t n) {
+    int64_t d = 0;
+    for (; d + W <= n; d += W) vstore(dst + d, vload(src + d));
+    for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
+
+  void scale_row(float* row, float a) const {
+    const vf va = vset1(a);
+    int64_t d = 0;
+    for (; d + W <= head_dim; d += W) vstore(row + d, vmul(vload(row + d), va));
+    for (; d < head_dim; ++d) row[d] *= a;
+  }
+
+  // acc_row += sum_j p[j] * V[j], the accumulator held in registers four vectors at a time.
+  template <typename U>
+  void accumulate(const float* p, int64_t n, const U* const* vrows, float* acc_row) const {
+    accumulate_from(p, n, vrows, acc_row, 0);
+  }
+
+  template <typename U>
+  void accumulate_from(const float* p, int64_t n, const U* const* vrows, float* acc_row, int64_t d) const {
+    const int64_t D = head_dim;
+    for (; d + 4 * W <= D; d += 4 * W) {
+      vf a0 = vload(acc_row + d), a1 = vload(acc_row + d + W), a2 = vload(acc_row + d + 2 * W),
+         a3 = vload(acc_row + d + 3 * W);
+      for (int64_t j = 0; j < n; ++j) {
+        const vf pj = vset1(p[j]);
+        const U* x = vrows[j] + d;
+        a0 = vfma(pj, vload(x), a0);
+        a1 = vfma(pj, vload(x + W), a1);
+        a2 = vfma(pj, vload(x + 2 * W), a2);
+        a3 = vfma(pj, vload(x + 3 * W), a3);
+      }
+      vstore(acc_row + d, a0);
+      vstore(acc_row + d + W, a1);
+      vstore(acc_row + d + 2 * W, a2);
+      vstore(acc_row + d + 3 * W, a3);
+    }
+    for (; d + W <= D; d += W) {
+      vf a0 = vload(acc_row + d);
+      for (int64_t j = 0; j < n; ++j) a0 = vfma(vset1(p[j]), vload(vrows[j] + d), a0);
+      vstore(acc_row + d, a0);
+    }
+    for (; d < D; ++d) {
+      float a = acc_row[d];
+      for (int64_t j = 0; j < n; ++j) a += p[j] * static_cast<float>(vrows[j][d]);
+      acc_row[d] = a;
+    }
+  }
+
+  void write_row(const float* src, float inv, int64_t token, int64_t head) const {
+    T* dst = out + token * o_s0 + head * o_s1;
+    const vf vi = vset1(inv);
+    int64_t d = 0;
+    for (; d + W <= head_dim; d += W) vstore(dst + d, vmul(vload(src + d), vi));
+    for (; d < head_dim; ++d) dst[d] = static_cast<T>(src[d] * inv);
+  }
+
+  // Merges the parts of one split item: weights e^(m_p - max) put every part under the common max.
+  void merge(const Merge& mg, std::vector<float>& buf) const {
+    const int64_t D = head_dim, R = (mg.q_end - mg.q_begin) * group;
+    buf.resize(D);
+    for (int64_t r = 0; r < R; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < mg.parts; ++p) mx = std::max(mx, p_m[mg.partial + p * R + r]);
+      std::fill(buf.begin(), buf.end(), 0.f);
+      float l = 0.f;
+      for (int64_t p = 0; p < mg.parts; ++p) {
+        const int64_t row = mg.partial + p * R + r;
+        if (p_l[row] == 0.f) continue;  // a part wholly after this query's position
+        const float w = std::exp(p_m[row] - mx);
+        l += w * p_l[row];
+        const float* a = p_acc + row * D;
+        for (int64_t d = 0; d < D; ++d) buf[d] += w * a[d];
+      }
+      write_row(buf.data(), 1.f / l, starts[mg.seq] + mg.q_begin + r / group, mg.kv_head * group + r % group);
+    }
+  }
+};
+
+template <typename T>
+void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& lens, double scale,
+                      at::Tensor& out) {
+  const int64_t num_seqs = lens.size(0), num_kv_heads = k_cache.size(2);
+  Attention<T> a{};
+  a.q = query.data_ptr<T>();
+  a.k = k_cache.data_ptr<T>();
+  a.v = v_cache.data_ptr<T>();
+  a.out = out.data_ptr<T>();
+  a.tables = tables.data_ptr<int32_t>();
+  a.starts = starts.data_ptr<int32_t>();
+  a.lens = lens.data_ptr<int32_t>();
+  a.q_s0 = query.stride(0), a.q_s1 = query.stride(1), a.o_s0 = out.stride(0), a.o_s1 = out.stride(1);
+  a.kb = k_cache.stride(0), a.kt = k_cache.stride(1), a.kh = k_cache.stride(2);
+  a.vb = v_cache.stride(0), a.vt = v_cache.stride(1), a.vh = v_cache.stride(2);
+  a.max_blocks = tables.size(1), a.block_size = k_cache.size(1);
+  a.group = query.size(1) / num_kv_heads, a.head_dim = query.size(2);
+  a.scale = static_cast<float>(scale);
+
+  // Tiles, then (if threads would idle) KV parts.
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n_q = a.starts[s + 1] - a.starts[s];
+    for (int64_t q0 = 0; q0 < n_q; q0 += kQueryTile) {
+      const int64_t q1 = std::min(n_q, q0 + kQueryTile);
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t kv_end = a.pos(s, q1 - 1) + 1;
+        items.push_back({int32_t(s), int32_t(h), int32_t(q0), int32_t(q1), 0, int32_t(kv_end), -1,
+                         (q1 - q0) * kv_end});
+      }
+    }
+  }
+  const int64_t threads = at::get_num_threads();
+  std::vector<Merge> merges;
+  int64_t partial_rows = 0;
+  if (!items.empty() && static_cast<int64_t>(items.size()) < threads) {
+    int64_t longest = 0;
+    for (const Item& it : items) longest = std::max<int64_t>(longest, it.kv_end);
+    const int64_t want = (2 * threads + items.size() - 1) / items.size();
+    int64_t split = std::max(kMinSplit, (longest + want - 1) / want);
+    split = (split + kChunk - 1) / kChunk * kChunk;
+    std::vector<Item> parts;
+    for (const Item& it : items) {
+      const int64_t n_parts = (it.kv_end + split - 1) / split;
+      if (n_parts <= 1) {
+        parts.push_back(it);
+        continue;
+      }
+      const int64_t rows = (it.q_end - it.q_begin) * a.group;
+      merges.push_back({it.seq, it.kv_head, it.q_begin, it.q_end, int32_t(n_parts), partial_rows});
+      for (int64_t p = 0; p < n_parts; ++p) {
+        const int64_t b = p * split, e = std::min<int64_t>(it.kv_end, b + split);
+        parts.push_back({it.seq, it.kv_head, it.q_begin, it.q_end, int32_t(b), int32_t(e), partial_rows,
+                         (it.q_end - it.q_begin) * (e - b)});
+        partial_rows += rows;
+      }
+    }
+    items.swap(parts);
+  }
+  std::vector<float> p_acc(partial_rows * a.head_dim), p_m(partial_rows), p_l(partial_rows);
+  a.p_acc = p_acc.data(), a.p_m = p_m.data(), a.p_l = p_l.data();
+
+  // Largest first, handed out one at a time: tiles of a long prefill cost far more than decodes.
+  std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = items.size();
+  at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
+    Scratch sc;
+    const int64_t rows = kQueryTile * a.group;
+    sc.q.resize(rows * a.head_dim);
+    sc.acc.resize(rows * a.head_dim);
+    sc.s.resize(rows * kChunk);
+    sc.m.resize(rows);
+    sc.l.resize(rows);
+    sc.krow.resize(kChunk);
+    sc.vrow.resize(kChunk);
+    sc.vrow_f.resize(kChunk);
+    sc.kt.resize(a.head_dim * kChunk);
+    sc.vf.resize(kChunk * a.head_dim);
+    for (int64_t i; (i = next.fetch_add(1)) < n_items;) a.run(items[i], sc);
+  });
+  if (!merges.empty()) {
+    at::parallel_for(0, merges.size(), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf;
+      for (int64_t i = begin; i < end; ++i) a.merge(merges[i], buf);
+    });
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
+                           const at::Tensor& context_lens, double scale) {
+  const char* what = "paged_attention (cpu)";
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              what, ": tensors must be on the CPU");
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              what, ": query [T, Hq, D], caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              what, ": query and caches must share a dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), what, ": K and V caches must have the same shape");
+  TORCH_CHECK(query.size(2) == k_cache.size(3), what, ": query and caches must share the head size");
+  TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              what, ": the head dimension must be contiguous");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, what, ": Hq must be a multiple of Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              what, ": block_tables and context_lens must be int32");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              what, ": one block table per sequence");
+  at::Tensor starts;
+  if (query_start_loc.has_value()) {
+    starts = query_start_loc->to(at::kInt).contiguous();
+    TORCH_CHECK(starts.dim() == 1 && starts.size(0) == num_seqs + 1, what, ": query_start_loc must be [B + 1]");
+  } else {  // decode: one query token per sequence
+    TORCH_CHECK(query.size(0) == num_seqs, what, ": one query per sequence");
+    starts = at::arange(num_seqs + 1, context_lens.options());
+  }
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+
+  // Everything the kernel trusts, checked here (not inside the parallel region).
+  const int32_t* st = starts.data_ptr<int32_t>();
+  const int32_t* ln = lens.data_ptr<int32_t>();
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = tables.size(1);
+  TORCH_CHECK(st[0] == 0 && st[num_seqs] == query.size(0), what, ": query_start_loc must run from 0 to T");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n_q = st[s + 1] - st[s], ctx = ln[s];
+    TORCH_CHECK(n_q >= 0 && n_q <= ctx, what, ": sequence ", s, " has ", n_q, " queries but a context of ", ctx);
+    TORCH_CHECK(ctx <= max_blocks * block_size, what, ": context of sequence ", s, " (", ctx,
+                " tokens) is longer than its block table");
+    for (int64_t i = 0, used = (ctx + block_size - 1) / block_size; i < used; ++i) {
+      const int32_t b = tb[s * max_blocks + i];
+      TORCH_CHECK(b >= 0 && b < num_blocks, what, ": block id ", b, " of sequence ", s,
+                  " is outside the cache (", num_blocks, " blocks)");
+    }
+  }
+  auto out = at::empty(query.sizes(), query.options());
+  switch (query.scalar_type()) {
+    case at::kFloat: attention_kernel<float>(query, k_cache, v_cache, tables, starts, lens, scale, out); break;
+    case at::kBFloat16:
+      attention_kernel<c10::BFloat16>(query, k_cache, v_cache, tables, starts, lens, scale, out);
+      break;
+    case at::kHalf: attention_kernel<c10::Half>(query, k_cache, v_cache, tables, starts, lens, scale, out); break;
+    default: TORCH_CHECK(false, what, ": dtype ", query.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+  return out;
+}
+
+// ---- KV-cache write --------------------------------------------------------------------------------
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  const char* what = "write_kv_cache (cpu)";
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              what, ": key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              what, ": key/value must have their cache's dtype");
+  TORCH_CHECK(key.sizes() == value.sizes() && k_cache.sizes() == v_cache.sizes() &&
+                  key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              what, ": shapes do not match");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              what, ": the head dimension must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == key.size(0),
+              what, ": slot_mapping must be int64 [T]");
+  auto slots_t = slot_mapping.contiguous();
+  const int64_t* slots = slots_t.data_ptr<int64_t>();
+  const int64_t tokens = key.size(0), heads = key.size(1), bytes = key.size(2) * key.element_size();
+  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, what, ": slot ", slots[t], " of token ", t,
+                " is outside the cache (", num_slots, " slots)");
+  }
+  auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
+    const char* s = static_cast<const char*>(src.data_ptr());
+    char* c = static_cast<char*>(cache.data_ptr());
+    const int64_t es = src.element_size();
+    const int64_t s0 = src.stride(0) * es, s1 = src.stride(1) * es;
+    const int64_t cb = cache.stride(0) * es, ct = cache.stride(1) * es, ch = cache.stride(2) * es;
+    // All heads of a token in one piece when both sides hold them back to back.
+    const bool whole_row = s1 == bytes && ch == bytes;
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        if (slots[t] < 0) continue;  // padding: not stored
+        char* dst = c + (slots[t] / block_size) * cb + (slots[t] % block_size) * ct;
+        const char* row = s + t * s0;
+        if (whole_row) {
+          std::memcpy(dst, row, heads * bytes);
+        } else {
+          for (int64_t h = 0; h < heads; ++h) std::memcpy(dst + h * ch, row + h * s1, bytes);
+        }
+      }
+    });
+  };
+  copy(key, k_cache);
+  copy(value, v_cache);
+}
+
+// ---- elementwise ops around attention ----------------------------------------------------------------
+//
+// float32 math; for half types each result is rounded to the storage type where torch's composite ops
+// (and the HF reference) round, so the ops match them op for op. In float32 that rounding is a no-op and
+// plain mul/add/sub (no FMA) round exactly as torch's own kernels.
+
+template <typename T>
+inline vf rnd(vf x) {  // x rounded to T and back
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    T tmp[W];
+    vstore(tmp, x);
+    return vload(tmp);
+  }
+}
+
+template <typename T>
+inline float rnd1(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+inline int64_t rows_per_task(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+
+template <typename T>
+void add_rms_norm_kernel(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      T *xr = xp + row * xs, *rr = rp + row * rs;
+      vf acc = vzero();
+      int64_t d = 0;
+      for (; d + W <= n; d += W) {
+        const vf z = rnd<T>(vadd(vload(xr + d), vload(rr + d)));
+        vstore(rr + d, z);
+        acc = vfma(z, z, acc);
+      }
+      float ss = vhsum(acc);
+      for (; d < n; ++d) {
+        const float z = rnd1<T>(static_cast<float>(xr[d]) + static_cast<float>(rr[d]));
+        rr[d] = static_cast<T>(z);
+        ss += z * z;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      const vf vinv = vset1(inv);
+      for (d = 0; d + W <= n; d += W) {
+        vstore(xr + d, vmul(rnd<T>(vmul(vload(rr + d), vinv)), vload(wp + d)));
+      }
+      for (; d < n; ++d) {
+        xr[d] = static_cast<T>(rnd1<T>(static_cast<float>(rr[d]) * inv) * static_cast<float>(wp[d]));
+      }
+    }
+  });
+}
+
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  const char* what = "fused_add_rms_norm (cpu)";
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              what, ": x and residual [rows, N], weight [N]");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
+              what, ": x, residual and weight must share a dtype");
+  TORCH_CHECK(x.stride(1) == 1 && residual.stride(1) == 1 && weight.stride(0) == 1, what, ": rows must be contiguous");
+  switch (x.scalar_type()) {
+    case at::kFloat: add_rms_norm_kernel<float>(x, residual, weight, eps); break;
+    case at::kBFloat16: add_rms_norm_kernel<c10::BFloat16>(x, residual, weight, eps); break;
+    case at::kHalf: add_rms_norm_kernel<c10::Half>(x, residual, weight, eps); break;
+    default: TORCH_CHECK(false, what, ": dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+}
+
+template <typename T>
+void silu_and_mul_kernel(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = out.size(0), n = out.size(1), xs = x.stride(0), os = out.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, rows_per_task(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T *gate = xp + row * xs, *up = gate + n;
+      T* o = op + row * os;
+      int64_t d = 0;
+      for (; d + W <= n; d += W) {
+        const vf g = vload(gate + d);
+        // silu(g) = g / (1 + e^-g), as torch computes it.
+        const vf silu = rnd<T>(vdiv(g, vadd(vset1(1.f), vexp(vsub(vzero(), g)))));
+        vstore(o + d, vmul(silu, vload(up + d)));
+      }
+      for (; d < n; ++d) {
+        const float g = static_cast<float>(gate[d]);
+        o[d] = static_cast<T>(rnd1<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[d]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  const char* what = "silu_and_mul (cpu)";
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.stride(1) == 1, what, ": input [rows, 2 I], rows contiguous");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: silu_and_mul_kernel<float>(x, out); break;
+    case at::kBFloat16: silu_and_mul_kernel<c10::BFloat16>(x, out); break;
+    case at::kHalf: silu_and_mul_kernel<c10::Half>(x, out); break;
+    default: TORCH_CHECK(false, what, ": dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+  return out;
+}
+
+template <typename T>
+void rotary_kernel(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = qk.size(0), heads = qk.size(1), half = qk.size(2) / 2;
+  const int64_t s0 = qk.stride(0), s1 = qk.stride(1), cs = cos.stride(0), ss = sin.stride(0);
+  T* xp = qk.data_ptr<T>();
+  const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, rows_per_task(heads * 2 * half), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T *c = cp + t * cs, *s = sp + t * ss;
+      for (int64_t h = 0; h < heads; ++h) {
+        T *x1 = xp + t * s0 + h * s1, *x2 = x1 + half;
+        int64_t d = 0;
+        for (; d + W <= half; d += W) {
+          const vf a = vload(x1 + d), b = vload(x2 + d), vc = vload(c + d), vs = vload(s + d);
+          // Each product rounded on its own (no FMA), as torch's x1 * cos - x2 * sin.
+          vstore(x1 + d, vsub(rnd<T>(vmul(a, vc)), rnd<T>(vmul(b, vs))));
+          vstore(x2 + d, vadd(rnd<T>(vmul(b, vc)), rnd<T>(vmul(a, vs))));
+        }
+        for (; d < half; ++d) {
+          const float a = static_cast<float>(x1[d]), b = static_cast<float>(x2[d]);
+          const float fc = static_cast<float>(c[d]), fs = static_cast<float>(s[d]);
+          x1[d] = static_cast<T>(rnd1<T>(a * fc) - rnd1<T>(b * fs));
+          x2[d] = static_cast<T>(rnd1<T>(b * fc) + rnd1<T>(a * fs));
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin) {
+  const char* what = "rotary_embedding (cpu)";
+  TORCH_CHECK(qk.dim() == 3 && qk.size(2) % 2 == 0 && qk.stride(2) == 1, what, ": qk [T, H, D], D contiguous and even");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == qk.size(0) &&
+                  cos.size(1) == qk.size(2) / 2 && cos.stride(1) == 1 && sin.stride(1) == 1,
+              what, ": cos and sin [T, D / 2], rows contiguous");
+  TORCH_CHECK(cos.scalar_type() == qk.scalar_type() && sin.scalar_type() == qk.scalar_type(),
+              what, ": cos and sin must have qk's dtype");
+  switch (qk.scalar_type()) {
+    case at::kFloat: rotary_kernel<float>(qk, cos, sin); break;
+    case at::kBFloat16: rotary_kernel<c10::BFloat16>(qk, cos, sin); break;
+    case at::kHalf: rotary_kernel<c10::Half>(qk, cos, sin); break;
+    default: TORCH_CHECK(false, what, ": dtype ", qk.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "Causal attention of each sequence's queries over its paged context (decode when query_start_loc is None)",
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("query_start_loc"), py::arg("context_lens"), py::arg("scale"));
+  m.def("write_kv_cache", &write_kv_cache, "Store each token's K/V at its slot (-1 = skip), in place",
+        py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight, in place",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "[rows, 2 I] -> silu(first half) * second half [rows, I]", py::arg("x"));
+  m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE on qk [T, H, D] in place", py::arg("qk"),
+        py::arg("cos"), py::arg("sin"));
+  m.attr("vector_width") = W;
+}
