@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import Linear, pack_weight, packed_linear
-from kernels import AttentionBackend
+from kernels import AttentionBackend, ModelOps
 
 
 class Embedding(nn.Module):
@@ -66,7 +66,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates the two halves of each head (the HF "rotate_half" layout) by a per-position angle."""
+    """The per-position angles that rotate the two halves of each head (the HF "rotate_half" layout)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -77,16 +77,11 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: derived from the config, never part of a checkpoint.
         self.cos = angles.cos().to(device=device, dtype=dtype)
         self.sin = angles.sin().to(device=device, dtype=dtype)
-        self.half_dim = head_dim // 2
 
     def lookup(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin [T, 1, D/2] for the step's positions: gathered once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x [T, H, D] -> rotated copy (contiguous)."""
-        x1, x2 = x[..., : self.half_dim], x[..., self.half_dim :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """cos, sin [T, D/2] for the step's positions: gathered once per step, used by every layer (the
+        backend's ``rotary_embedding`` applies them)."""
+        return self.cos[positions], self.sin[positions]
 
 
 class LlamaAttention(nn.Module):
@@ -98,14 +93,14 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, device, dtype)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias, device, dtype)
         self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
+        self.ops = backend.ops
 
-    def forward(self, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
-                cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, kv_cache: Tensor, meta: AttentionMetadata, cos: Tensor, sin: Tensor) -> Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        # Q and K are rotated together (one set of elementwise ops per layer instead of two).
-        qk = rope(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim),
-                  cos, sin)
+        # Q and K are rotated together, in place in the projection's output: one pass, no copies.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        self.ops.rotary_embedding(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
@@ -113,15 +108,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModelOps, device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, device, dtype)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, device, dtype)
+        self.ops = ops
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -131,12 +125,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.self_attn = LlamaAttention(cfg, layer_idx, backend, device, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, device, dtype)
+        self.mlp = LlamaMLP(cfg, backend.ops, device, dtype)
+        self.ops = backend.ops
 
-    def forward(self, h: Tensor, kv_cache: Tensor, meta: AttentionMetadata, rope: RotaryEmbedding,
-                cos: Tensor, sin: Tensor) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), kv_cache, meta, rope, cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: Tensor, residual: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``h``: the previous layer's output before its residual add; ``residual``: the running sum (None
+        at the first layer). Each residual add is fused with the norm after it, in place (vLLM's layout)."""
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            self.ops.fused_add_rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        h = self.self_attn(h, kv_cache, meta, cos, sin)
+        self.ops.fused_add_rms_norm(h, residual, self.post_attention_layernorm.weight,
+                                    self.post_attention_layernorm.eps)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -168,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.model = LlamaModel(config, backend, device, dtype)
+        self.ops = backend.ops
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, False, device, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
@@ -189,9 +194,13 @@ class LlamaForCausalLM(nn.Module):
         """Flattened tokens (decodes first, then prefill chunks) -> final-normed hidden states [T, hidden]."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
+        residual: Tensor | None = None
         for layer in self.model.layers:
-            h = layer(h, kv_cache, attn_metadata, self.rotary, cos, sin)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, kv_cache, attn_metadata, cos, sin)
+        assert residual is not None, "a model has at least one layer"
+        norm = self.model.norm
+        self.ops.fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+        return h
 
     def _lm_head_weight(self) -> Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
