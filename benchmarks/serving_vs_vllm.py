@@ -269,12 +269,13 @@ def vllm_env(kv_gib: int, preload: list[str]) -> dict[str, str]:
     return env
 
 
-def ours_command(port: int, dtype_flags: list[str], kv_gib: int, prefix_caching: bool = True) -> list[str]:
+def ours_command(port: int, dtype_flags: list[str], kv_gib: int, prefix_caching: bool = True,
+                 extra: tuple[str, ...] = ()) -> list[str]:
     return [str(PROJECT_PY), "-m", "chatsvc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model", str(HF_DIR), *dtype_flags, "--max-num-seqs", str(MAX_NUM_SEQS),
             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", str(kv_gib * 1024),
             "--data-dir", tempfile.mkdtemp(prefix="chatsvc-bench-redis-"), "--log-level", "warning",
-            *([] if prefix_caching else ["--no-prefix-caching"])]
+            *([] if prefix_caching else ["--no-prefix-caching"]), *extra]
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -476,6 +477,8 @@ def main() -> int:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--skip-offline", action="store_true", help="no offline run of workload 32")
+    ap.add_argument("--compare-thread", action="store_true",
+                    help="also run ours with --engine thread on workload 32 (engine process vs thread, same load)")
     ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
     ap.add_argument("--settle-s", type=float, default=None,
                     help="before each side's run, wait up to this long for the 1-min load average to fall to "
@@ -526,6 +529,12 @@ def main() -> int:
         plan.append(("ours", lambda port, log_path: server(
             ours_command(port, dtype_flags, kv_gib), project_env(), f"http://127.0.0.1:{port}/ready", log_path,
             600), keys))
+        if a.compare_thread and "32" in keys:
+            # The same server with the engine loop on a thread of the gateway's process (the layout
+            # before the engine process): what moving it out buys, on the same load.
+            plan.append(("ours_thread", lambda port, log_path: server(
+                ours_command(port, dtype_flags, kv_gib, extra=("--engine", "thread")), project_env(),
+                f"http://127.0.0.1:{port}/ready", log_path, 600), ["32"]))
         if "c" in keys:
             plan.append(("ours_noprefix", lambda port, log_path: server(
                 ours_command(port, dtype_flags, kv_gib, prefix_caching=False), project_env(),
@@ -566,6 +575,8 @@ def main() -> int:
     if "c" in keys:
         on, off = pick(results, "ours", "c", "output_tok_s"), pick(results, "ours_noprefix", "c", "output_tok_s")
         final["persona_prefix_ratio"] = ratio(on, off)
+    if "ours_thread" in results:
+        final["engine_process_over_thread"] = ratio(served, pick(results, "ours_thread", "32", "output_tok_s"))
 
     md = [f"# Serving: chatsvc vs vLLM, {stamp}{' (QUICK: plumbing only, not a measurement)' if a.quick else ''}",
           "", f"- machine: {host.line()}",
