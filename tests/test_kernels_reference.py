@@ -28,7 +28,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
     torch.testing.assert_close(actual.double(), expected, atol=tol, rtol=tol)
 
 
-def _decode(p: kernels.testing.PagedProblem, **kw: object) -> torch.Tensor:
+def _decode(p: kernels.testing.PagedProblem, **kw: int | None) -> torch.Tensor:
     return reference.paged_attention_decode(
         p.query, p.k_cache, p.v_cache, p.block_tables, p.context_lens, p.scale, **kw
     )
