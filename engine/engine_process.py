@@ -4,7 +4,8 @@ Layout. The gateway's process keeps the event loop, HTTP/SSE, Redis and tokeniza
 process (multiprocessing "spawn", so it starts from a clean interpreter) builds ``LLMEngine`` and
 owns the model, the KV cache and the scheduler. The two never contend for one GIL: the child's
 torch ops get every core (``engine_threads``) while the parent's torch stays at one thread. If a
-tcmalloc library is installed, the child is started with it in ``LD_PRELOAD``.
+tcmalloc library is installed, the child is started with it in ``LD_PRELOAD``; its OpenMP workers
+wait passively (see ``child_environment``).
 
 One duplex pipe joins them; every message is a pickled dataclass defined below.
 
@@ -56,7 +57,8 @@ from engine.scheduler import QueueFullError
 
 log = logging.getLogger("chatsvc.engine")
 
-__all__ = ["ProcessEngine", "EngineInfo", "PROTOCOL_VERSION", "find_tcmalloc", "default_engine_threads"]
+__all__ = ["ProcessEngine", "EngineInfo", "PROTOCOL_VERSION", "child_environment", "default_engine_threads",
+           "find_tcmalloc"]
 
 PROTOCOL_VERSION = 1
 IDLE_POLL_S = 0.5  # how often an idle child checks that its parent still exists
@@ -122,6 +124,7 @@ class EngineInfo:
     eos_token_ids: frozenset[int]
     threads: int
     allocator: str
+    omp_wait_policy: str
     stats: dict[str, Any]
     snapshot: dict[str, Any]
 
@@ -191,19 +194,36 @@ def _allocator() -> str:
     return "glibc malloc"
 
 
+def child_environment(tcmalloc: str | None) -> dict[str, str]:
+    """What the engine process's environment adds to this one's.
+
+    OMP_WAIT_POLICY=PASSIVE: OpenMP workers sleep instead of spinning between parallel regions. The
+    engine shares its cores with the gateway process; a spinning team whose other member has been
+    preempted by it burns whole time slices (steps several times slower on a busy 2-core machine).
+    An OMP_WAIT_POLICY already set by the operator wins.
+    """
+    env: dict[str, str] = {}
+    if "OMP_WAIT_POLICY" not in os.environ:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if tcmalloc is not None:
+        old = os.environ.get("LD_PRELOAD")
+        env["LD_PRELOAD"] = tcmalloc if not old else f"{tcmalloc}:{old}"
+    return env
+
+
 @contextlib.contextmanager
-def _preloaded(lib: str | None) -> Iterator[None]:
-    """os.environ with ``lib`` first in LD_PRELOAD; a spawned child takes the environment at start."""
-    old = os.environ.get("LD_PRELOAD")
-    if lib is not None:
-        os.environ["LD_PRELOAD"] = lib if not old else f"{lib}:{old}"
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """os.environ with ``updates`` applied; a spawned child takes the environment at its start."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = old
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _child_main(conn: Connection, model: str | None, engine_kwargs: dict[str, Any], threads: int,
@@ -223,7 +243,8 @@ def _child_main(conn: Connection, model: str | None, engine_kwargs: dict[str, An
         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
         max_num_seqs=sched.max_num_seqs, max_waiting=sched.max_waiting,
         block_size=engine.block_size_tokens_min(), eos_token_ids=frozenset(engine.eos_token_ids),
-        threads=torch.get_num_threads(), allocator=_allocator(), stats=engine.stats(),
+        threads=torch.get_num_threads(), allocator=_allocator(),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "default"), stats=engine.stats(),
         snapshot=engine.kv_snapshot(),
     )))
     try:
@@ -354,7 +375,7 @@ class ProcessEngine(EngineClient):
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, name="chatsvc-engine", daemon=True,
                                  args=(child_conn, model, engine_kwargs, threads, os.getpid()))
-        with _preloaded(find_tcmalloc()):
+        with _environ(child_environment(find_tcmalloc())):
             self._proc.start()
         child_conn.close()  # so that the child's exit reads as EOF here
         try:
@@ -383,8 +404,8 @@ class ProcessEngine(EngineClient):
         self._reader: threading.Thread | None = None
         self._dead = False
         self._stopping = False
-        log.info("engine process %d: %s, %d torch threads, %s", info.pid, info.model_name, info.threads,
-                 info.allocator)
+        log.info("engine process %d: %s, %d torch threads, %s, OMP_WAIT_POLICY=%s", info.pid, info.model_name,
+                 info.threads, info.allocator, info.omp_wait_policy)
 
     @classmethod
     def from_args(cls, model: str | None = None, **engine_kwargs: Any) -> ProcessEngine:

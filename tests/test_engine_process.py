@@ -19,7 +19,7 @@ from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa:
 
 from engine.client import EngineDeadError
 from engine.engine import RequestDelta
-from engine.engine_process import ProcessEngine, _preloaded, find_tcmalloc
+from engine.engine_process import ProcessEngine, _environ, child_environment, find_tcmalloc
 from engine.request import SamplingParams
 from engine.scheduler import QueueFullError
 
@@ -87,6 +87,9 @@ async def test_greedy_tokens_equal_the_in_process_llm(engine: ProcessEngine) -> 
         assert deltas[-1].request_finished and deltas[-1].finish_reason == "length"
         assert deltas[-1].completion_tokens == 16
     assert engine.model_name and engine.max_model_len > 0 and engine.is_running
+    # The child runs on tcmalloc when the machine has it, and with passive OpenMP waits.
+    assert engine.info.allocator.startswith("tcmalloc") == (find_tcmalloc() is not None)
+    assert engine.info.omp_wait_policy == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.mark.integration
@@ -235,17 +238,22 @@ def test_engine_process_exits_when_its_parent_dies(tmp_path: Path) -> None:
     assert wait_gone(child, 10), f"engine process {child} outlived its parent"
 
 
-def test_tcmalloc_is_found_and_preloaded_only_around_the_start(tmp_path: Path) -> None:
+def test_tcmalloc_is_found_and_the_child_environment_is_set_only_around_the_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "libtcmalloc.so.4").touch()
     assert find_tcmalloc((str(tmp_path),)) == str(tmp_path / "libtcmalloc.so.4")
     (tmp_path / "libtcmalloc_minimal.so.4").touch()
     assert find_tcmalloc((str(tmp_path),)) == str(tmp_path / "libtcmalloc_minimal.so.4")
-    before = os.environ.get("LD_PRELOAD")
-    with _preloaded("/x/libtcmalloc.so"):
+    monkeypatch.setenv("LD_PRELOAD", "/y/libother.so")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    env = child_environment("/x/libtcmalloc.so")
+    assert env == {"LD_PRELOAD": "/x/libtcmalloc.so:/y/libother.so", "OMP_WAIT_POLICY": "PASSIVE"}
+    with _environ(env):
         assert os.environ["LD_PRELOAD"].split(":")[0] == "/x/libtcmalloc.so"
-    assert os.environ.get("LD_PRELOAD") == before
-    with _preloaded(None):
-        assert os.environ.get("LD_PRELOAD") == before
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert os.environ["LD_PRELOAD"] == "/y/libother.so" and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice is kept
+    assert child_environment(None) == {}
 
 
 @pytest.fixture
