@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from chatsvc.context import Gateway, gateway, parse, read_json, resolve_max_tokens
+from chatsvc.context import Gateway, gateway, parse, read_json
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
-from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, usage
+from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 
 
@@ -34,13 +34,6 @@ async def list_models(request: Request) -> JSONResponse:
 def _check_n(gw: Gateway, n: int) -> None:
     if n > gw.settings.max_n:
         raise APIError(400, f"n must be <= {gw.settings.max_n}", code="invalid_value", param="n")
-
-
-def _params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None) -> Any:
-    try:
-        return req.sampling_params(max_tokens, n=req.n, logprobs=logprobs)
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
 
 
 class _Tokens:
@@ -86,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len, None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + secrets.token_hex(12)
-    gen = Generation(gw.engine, gw.metrics, rid, _params(req, max_tokens, logprobs), prompt_ids,
+    gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids,
                      gw.settings.retry_after_s)
     await gen.start()
     created = int(time.time())
@@ -205,7 +198,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "prompt must contain at least one token", code="invalid_value", param="prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), gw.engine.max_model_len, 16)
     rid = "cmpl-" + secrets.token_hex(12)
-    gen = Generation(gw.engine, gw.metrics, rid, _params(req, max_tokens, req.logprobs), prompt_ids,
+    gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, req.logprobs), prompt_ids,
                      gw.settings.retry_after_s)
     await gen.start()
     created = int(time.time())
