@@ -34,13 +34,9 @@ class Gateway:
     turns: TurnRegistry
     engine_ready: bool = False
 
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        return (self.engine.model_name, *self.settings.extra_model_names)
-
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.model_names:
-            return str(self.engine.model_name)
+        if model is None or model == self.engine.model_name:
+            return self.engine.model_name
         raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
 
 

@@ -26,8 +26,8 @@ from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 async def list_models(request: Request) -> JSONResponse:
     gw = gateway(request)
     gw.auth.from_http(request.headers)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "chatsvc",
-             "max_model_len": gw.engine.max_model_len} for name in gw.model_names]
+    data = [{"id": gw.engine.model_name, "object": "model", "created": 0, "owned_by": "chatsvc",
+             "max_model_len": gw.engine.max_model_len}]
     return JSONResponse({"object": "list", "data": data})
 
 
