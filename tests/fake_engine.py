@@ -1,0 +1,142 @@
+"""A small deterministic engine behind the ``EngineClient`` protocol, for the gateway's unit tests.
+
+It does no model work: every request gets the tokens of :data:`REPLY` (the real tiny tokenizer's
+ids), one token per delta per sample, ``step_s`` apart, and stops with "stop" at the end of the
+reply or "length" at ``max_tokens`` (``ignore_eos`` repeats the reply up to ``max_tokens``). It
+refuses what the real engines refuse with the same exceptions (ValueError, QueueFullError,
+EngineDeadError) and records what it was asked, so tests can check what the gateway sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.client import EngineClient, EngineDeadError
+from engine.engine import RequestDelta
+from engine.model.testing import make_tiny_tokenizer
+from engine.request import SamplingParams
+from engine.scheduler import QueueFullError
+from engine.tokenizer import Tokenizer
+
+REPLY = "Hello! How are you today?"
+
+
+def tiny_tokenizer(directory: Path) -> Tokenizer:
+    make_tiny_tokenizer(directory)
+    return Tokenizer.from_dir(directory)
+
+
+@dataclass
+class Submitted:
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    finish_reasons: dict[int, str] = field(default_factory=dict)  # per sample, once it finished
+
+
+class FakeEngine(EngineClient):
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int = 512, block_size: int = 16,
+                 step_s: float = 0.0, max_running: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.step_s = step_s
+        self.max_running = max_running
+        self.reply_ids = tokenizer.encode(REPLY)
+        self.submitted: dict[str, Submitted] = {}
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+        self.pins: dict[str, list[int]] = {}
+        self._running = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._running = True
+
+    async def stop(self) -> None:
+        self._running = False
+
+    @property
+    def is_running(self) -> bool:
+        return self._running
+
+    # -- requests ----------------------------------------------------------------------------------
+    def generate(self, request_id: str, sampling_params: SamplingParams, prompt: str | None = None,
+                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestDelta]:
+        if not self._running:
+            raise EngineDeadError("the fake engine is not running")
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenizer.encode(prompt or "")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) + sampling_params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)}) + max_tokens exceeds {self.max_model_len}")
+        if self.max_running is not None and len(self.running) >= self.max_running:
+            raise QueueFullError("the fake engine is full")
+        sub = Submitted(request_id, sampling_params, ids)
+        self.submitted[request_id] = sub
+        self.running.add(request_id)
+        return self._stream(sub)
+
+    def completion_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens every sample of a request with these parameters gets."""
+        if params.ignore_eos:
+            reps = params.max_tokens // len(self.reply_ids) + 1
+            return (self.reply_ids * reps)[: params.max_tokens]
+        return self.reply_ids[: params.max_tokens]
+
+    def finish_reason(self, params: SamplingParams) -> str:
+        return "length" if params.ignore_eos or params.max_tokens < len(self.reply_ids) else "stop"
+
+    async def _stream(self, sub: Submitted) -> AsyncIterator[RequestDelta]:
+        params = sub.params
+        out = self.completion_ids(params)
+        reason = self.finish_reason(params)
+        try:
+            for step, tid in enumerate(out):
+                if self.step_s:
+                    await asyncio.sleep(self.step_s)
+                last = step == len(out) - 1
+                for index in range(params.n):
+                    if last:
+                        sub.finish_reasons[index] = reason
+                    yield RequestDelta(
+                        request_id=sub.request_id, index=index, text=self.tokenizer.decode([tid]), token_ids=[tid],
+                        finished=last, finish_reason=reason if last else None,
+                        logprobs=None if params.logprobs is None else [self._logprobs(tid, params.logprobs)],
+                        prompt_tokens=len(sub.prompt_token_ids), completion_tokens=step + 1, cached_tokens=0,
+                        request_finished=last and index == params.n - 1)
+        finally:
+            self.running.discard(sub.request_id)
+            if len(sub.finish_reasons) < params.n:
+                self.aborted.append(sub.request_id)
+
+    @staticmethod
+    def _logprobs(tid: int, top: int) -> dict[int, float]:
+        """The sampled token at -0.5, then ``top`` other tokens at -1, -2, ..."""
+        return {tid: -0.5, **{tid + k: -float(k) for k in range(1, top + 1)}}
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+        full = len(prompt_token_ids) // self.block_size * self.block_size
+        self.pins[key] = list(prompt_token_ids[:full])
+        return full
+
+    def unpin_prefix(self, key: str) -> None:
+        self.pins.pop(key, None)
+
+    def stats(self) -> dict[str, Any]:
+        return {"kv_blocks_total": 64, "kv_blocks_free": 64 - sum(len(p) // self.block_size for p in self.pins.values()),
+                "requests_running": len(self.running), "requests_waiting": 0}
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        blocks = iter(range(64))
+        pins = {k: [next(blocks) for _ in range(len(v) // self.block_size)] for k, v in self.pins.items()}
+        return {"block_size": self.block_size, "pins": pins,
+                "requests": {rid: [next(blocks)] for rid in sorted(self.running)}}
