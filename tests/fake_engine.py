@@ -35,6 +35,7 @@ class Submitted:
     request_id: str
     params: SamplingParams
     prompt_token_ids: list[int]
+    max_tokens: int
     finish_reasons: dict[int, str] = field(default_factory=dict)  # per sample, once it finished
 
 
@@ -73,29 +74,30 @@ class FakeEngine(EngineClient):
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenizer.encode(prompt or "")
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) + sampling_params.max_tokens > self.max_model_len:
+        room = self.max_model_len - len(ids)
+        max_tokens = room if sampling_params.max_tokens is None else sampling_params.max_tokens
+        if max_tokens > room:
             raise ValueError(f"prompt ({len(ids)}) + max_tokens exceeds {self.max_model_len}")
         if self.max_running is not None and len(self.running) >= self.max_running:
             raise QueueFullError("the fake engine is full")
-        sub = Submitted(request_id, sampling_params, ids)
+        sub = Submitted(request_id, sampling_params, ids, max_tokens)
         self.submitted[request_id] = sub
         self.running.add(request_id)
         return self._stream(sub)
 
-    def completion_ids(self, params: SamplingParams) -> list[int]:
-        """The tokens every sample of a request with these parameters gets."""
-        if params.ignore_eos:
-            reps = params.max_tokens // len(self.reply_ids) + 1
-            return (self.reply_ids * reps)[: params.max_tokens]
-        return self.reply_ids[: params.max_tokens]
+    def completion_ids(self, ignore_eos: bool, max_tokens: int) -> list[int]:
+        """The tokens every sample of a request gets."""
+        if ignore_eos:
+            return (self.reply_ids * (max_tokens // len(self.reply_ids) + 1))[:max_tokens]
+        return self.reply_ids[:max_tokens]
 
-    def finish_reason(self, params: SamplingParams) -> str:
-        return "length" if params.ignore_eos or params.max_tokens < len(self.reply_ids) else "stop"
+    def finish_reason(self, ignore_eos: bool, max_tokens: int) -> str:
+        return "length" if ignore_eos or max_tokens < len(self.reply_ids) else "stop"
 
     async def _stream(self, sub: Submitted) -> AsyncIterator[RequestDelta]:
         params = sub.params
-        out = self.completion_ids(params)
-        reason = self.finish_reason(params)
+        out = self.completion_ids(params.ignore_eos, sub.max_tokens)
+        reason = self.finish_reason(params.ignore_eos, sub.max_tokens)
         try:
             for step, tid in enumerate(out):
                 if self.step_s:
