@@ -142,6 +142,16 @@ def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
     return usage(prompt, completion, cached)
 
 
+def _chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool,
+           usage_: dict[str, Any] | None = None) -> dict[str, str]:
+    """A streaming chunk built as a dict: one with logprobs, or the final usage chunk (the plain per-token
+    chunks are rendered by wire.ChunkTemplate)."""
+    chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        chunk["usage"] = usage_
+    return {"data": json.dumps(chunk)}
+
+
 async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
                        model: str) -> AsyncIterator[dict[str, str] | bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -165,14 +175,9 @@ async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest,
                                       "logprobs": {"content": toks.chat(d.token_ids, d.logprobs,
                                                                         req.top_logprobs or 0)},
                                       "finish_reason": reason}
-            chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                     "model": model, "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            yield {"data": json.dumps(chunk)}
+            yield _chunk(rid, "chat.completion.chunk", created, model, [choice], include_usage)
         if include_usage:
-            yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": model, "choices": [], "usage": _usage(last, 0)})}
+            yield _chunk(rid, "chat.completion.chunk", created, model, [], True, _usage(last, 0))
         yield {"data": "[DONE]"}
     finally:
         gw.metrics.open_sse.dec()
@@ -240,14 +245,9 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
                                       "logprobs": toks.completion(d.token_ids, d.logprobs, req.logprobs, off),
                                       "finish_reason": reason}
             offsets[d.index] = off + len(d.text)
-            chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                                     "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            yield {"data": json.dumps(chunk)}
+            yield _chunk(rid, "text_completion", created, model, [choice], include_usage)
         if include_usage:
-            yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": created,
-                                       "model": model, "choices": [], "usage": _usage(last, 0)})}
+            yield _chunk(rid, "text_completion", created, model, [], True, _usage(last, 0))
         yield {"data": "[DONE]"}
     finally:
         gw.metrics.open_sse.dec()

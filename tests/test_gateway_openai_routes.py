@@ -113,6 +113,20 @@ def test_n_samples_with_logprobs(server: LiveServer, engine: FakeEngine) -> None
     assert body["usage"]["completion_tokens"] == 6  # both samples
 
 
+def test_chat_stream_with_logprobs_and_usage(server: LiveServer, engine: FakeEngine) -> None:
+    with httpx.stream("POST", server.url + "/v1/chat/completions",
+                      json=chat(stream=True, max_tokens=3, logprobs=True, top_logprobs=1,
+                                stream_options={"include_usage": True})) as r:
+        data = sse_data(r)
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert [list(c) for c in chunks] == [["id", "object", "created", "model", "choices", "usage"]] * 4
+    choices = [c["choices"][0] for c in chunks[:-1]]
+    assert [c["delta"] for c in choices][0]["role"] == "assistant"
+    assert [len(c["logprobs"]["content"][0]["top_logprobs"]) for c in choices] == [1, 1, 1]
+    assert [c["finish_reason"] for c in choices] == [None, None, "length"]
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
 def test_completion_of_a_string_with_echo(server: LiveServer, engine: FakeEngine) -> None:
     body = post(server, "/v1/completions", {"prompt": "The capital", "echo": True, "max_tokens": 50}).json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "The capital" + REPLY
