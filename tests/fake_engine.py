@@ -10,10 +10,15 @@ EngineDeadError) and records what it was asked, so tests can check what the gate
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
+from gateway_fixtures import LiveServer
 
 from engine.client import EngineClient, EngineDeadError
 from engine.engine import RequestDelta
@@ -54,6 +59,10 @@ class FakeEngine(EngineClient):
         self.aborted: list[str] = []
         self.pins: dict[str, list[int]] = {}
         self._running = False
+
+    def reset(self) -> None:
+        """Back to the defaults a test may have changed (pace and capacity)."""
+        self.step_s, self.max_running = 0.0, None
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -142,3 +151,39 @@ class FakeEngine(EngineClient):
         pins = {k: [next(blocks) for _ in range(len(v) // self.block_size)] for k, v in self.pins.items()}
         return {"block_size": self.block_size, "pins": pins,
                 "requests": {rid: [next(blocks)] for rid in sorted(self.running)}}
+
+
+@contextmanager
+def fake_gateway(redis_url: str, tokenizer_dir: Path, max_model_len: int = 512,
+                 **settings: Any) -> Iterator[LiveServer]:
+    """The real gateway app over a FakeEngine (as ``.engine``), served by uvicorn, its Redis database
+    emptied first and the default personas pinned before it is handed out."""
+    import redis
+
+    from chatsvc.app import create_app
+    from chatsvc.settings import Settings
+    from chatsvc.store import Store
+
+    redis.Redis.from_url(redis_url).flushdb()
+    engine = FakeEngine(tiny_tokenizer(tokenizer_dir), max_model_len=max_model_len)
+    app = create_app(engine, Store.from_url(redis_url), Settings(web_dir=Path("/nonexistent"), **settings))
+    with LiveServer(app) as live:
+        wait_for(lambda: len(app.state.gateway.personas.pinned) >= 3, timeout=30)
+        live.engine = engine  # type: ignore[attr-defined]
+        yield live
+
+
+@pytest.fixture(name="engine")
+def engine_fixture(server: LiveServer) -> Iterator[FakeEngine]:
+    """The module's ``server`` fixture's fake engine, reset after each test."""
+    eng: FakeEngine = server.engine  # type: ignore[attr-defined]
+    yield eng
+    eng.reset()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()

@@ -5,17 +5,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from fake_engine import REPLY, FakeEngine, tiny_tokenizer
+from fake_engine import REPLY, FakeEngine, engine_fixture, fake_gateway  # noqa: F401
 from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
-
-from chatsvc.app import create_app
-from chatsvc.settings import Settings
-from chatsvc.store import Store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 MAX_LEN = 256
@@ -23,19 +18,9 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="module")
 def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
-    engine = FakeEngine(tiny_tokenizer(tmp_path_factory.mktemp("tok")), max_model_len=MAX_LEN)
-    app = create_app(engine, Store.from_url(redis_proc.url), Settings(web_dir=Path("/nonexistent"), max_n=4,
-                                                                      retry_after_s=3))
-    with LiveServer(app) as live:
-        live.engine = engine  # type: ignore[attr-defined]
+    with fake_gateway(redis_proc.url, tmp_path_factory.mktemp("tok"), max_model_len=MAX_LEN, max_n=4,
+                      retry_after_s=3) as live:
         yield live
-
-
-@pytest.fixture
-def engine(server: LiveServer) -> Iterator[FakeEngine]:
-    eng: FakeEngine = server.engine  # type: ignore[attr-defined]
-    yield eng
-    eng.step_s, eng.max_running = 0.0, None
 
 
 def post(server: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:

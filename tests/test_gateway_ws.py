@@ -5,18 +5,13 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from fake_engine import REPLY, FakeEngine, tiny_tokenizer
+from fake_engine import REPLY, FakeEngine, engine_fixture, fake_gateway, wait_for  # noqa: F401
 from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
 from websockets.sync.client import ClientConnection, connect
-
-from chatsvc.app import create_app
-from chatsvc.settings import Settings
-from chatsvc.store import Store
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 GRACE_S = 1.5
@@ -24,25 +19,8 @@ GRACE_S = 1.5
 
 @pytest.fixture(scope="module")
 def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
-    import redis
-
-    redis.Redis.from_url(redis_proc.url).flushdb()
-    engine = FakeEngine(tiny_tokenizer(tmp_path_factory.mktemp("tok")))
-    app = create_app(engine, Store.from_url(redis_proc.url),
-                     Settings(web_dir=Path("/nonexistent"), abort_grace_s=GRACE_S))
-    with LiveServer(app) as live:
-        deadline = time.monotonic() + 30
-        while len(app.state.gateway.personas.pinned) < 3 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        live.engine = engine  # type: ignore[attr-defined]
+    with fake_gateway(redis_proc.url, tmp_path_factory.mktemp("tok"), abort_grace_s=GRACE_S) as live:
         yield live
-
-
-@pytest.fixture
-def engine(server: LiveServer) -> Iterator[FakeEngine]:
-    eng: FakeEngine = server.engine  # type: ignore[attr-defined]
-    yield eng
-    eng.step_s = 0.0
 
 
 @pytest.fixture
@@ -65,13 +43,6 @@ def until_done(ws: ClientConnection) -> tuple[list[dict[str, Any]], dict[str, An
     while (frame := recv(ws))["type"] == "delta":
         deltas.append(frame)
     return deltas, frame
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return cond()
 
 
 def test_hello_creates_a_session_of_the_persona(ws: ClientConnection) -> None:
