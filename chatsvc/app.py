@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
-from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -21,12 +18,12 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 import chatsvc
-from chatsvc import openai_routes, sessions, ws
+from chatsvc import kv_routes, openai_routes, sessions, ws
 from chatsvc.auth import Auth
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
 from chatsvc.metrics import Metrics
-from chatsvc.personas import Personas, pin_key
+from chatsvc.personas import Personas
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 from chatsvc.turns import TurnRegistry
@@ -53,54 +50,6 @@ async def ready(request: Request) -> JSONResponse:
 
 async def metrics(request: Request) -> Response:
     return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-
-async def _kv_payload(gw: Gateway, session: dict[str, Any] | None) -> dict[str, Any]:
-    snap = gw.engine.kv_snapshot()
-    payload: dict[str, Any] = {**snap, **gw.engine.stats()}
-    if session is not None:
-        rid = gw.turns.request_id(session["id"])
-        pins = snap.get("pins") or {}
-        payload["session"] = {
-            **session,
-            "request_id": rid,
-            "blocks": list(snap.get("requests", {}).get(rid, [])) if rid else [],
-            "persona_blocks": list(pins.get(pin_key(session["persona"]), [])),
-        }
-    return payload
-
-
-async def _session_for_kv(gw: Gateway, request: Request) -> dict[str, Any] | None:
-    sid = request.query_params.get("session_id")
-    if not sid:
-        return None
-    owner = gw.auth.from_http(request.headers, request.query_params)
-    try:
-        meta = await gw.store.get_session(sid, owner)
-    except RedisError:
-        return None
-    if meta is None:
-        raise APIError(404, f"session {sid!r} not found", code="session_not_found", param="session_id")
-    return {"id": meta.id, "persona": meta.persona}
-
-
-async def kv(request: Request) -> JSONResponse:
-    gw = gateway(request)
-    gw.auth.from_http(request.headers, request.query_params)
-    return JSONResponse(await _kv_payload(gw, await _session_for_kv(gw, request)))
-
-
-async def kv_stream(request: Request) -> Response:
-    gw = gateway(request)
-    gw.auth.from_http(request.headers, request.query_params)
-    session = await _session_for_kv(gw, request)
-
-    async def events() -> AsyncIterator[dict[str, str]]:
-        while True:
-            yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, session))}
-            await asyncio.sleep(gw.settings.kv_stream_interval_s)
-
-    return EventSourceResponse(events(), ping=15)
 
 
 async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -151,8 +100,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/kv", kv, methods=["GET"]),
-        Route("/v1/kv/stream", kv_stream, methods=["GET"]),
+        *kv_routes.routes,
         *openai_routes.routes,
         *sessions.routes,
         *ws.routes,

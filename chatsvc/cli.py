@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import logging
 import os
 import signal
@@ -70,28 +69,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def settings_from_args(args: argparse.Namespace, redis_description: str) -> Settings:
+def settings_from_args(args: argparse.Namespace) -> Settings:
     keys = tuple(args.api_keys or ()) + api_keys_from_env()
     base = Settings()
     origins = base.allowed_origins
     if args.allowed_origins:
         origins = origins + tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     return Settings(api_keys=keys, allowed_origins=origins, session_ttl_s=args.session_ttl,
-                    abort_grace_s=args.abort_grace, redis_description=redis_description)
+                    abort_grace_s=args.abort_grace)
 
 
 def build_engine(model: str | None, kwargs: dict[str, Any], kind: str = "process",
                  threads: int | None = None) -> EngineClient:
     """The engine the gateway serves from; "process" blocks until the child has loaded the model."""
-    from engine.engine import LLMEngine
-
-    # Drop options this engine build does not take rather than failing on them.
-    try:
-        accepted = inspect.signature(LLMEngine.__init__).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-    except (TypeError, ValueError):
-        pass
     if kind == "process":
         from engine.engine_process import ProcessEngine
 
@@ -135,7 +125,7 @@ def serve(args: argparse.Namespace) -> int:
             embedded = EmbeddedRedis((args.data_dir or default_data_dir()) / "redis")
             url = embedded.start()
             desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {url}, append-only"
-        settings = settings_from_args(args, desc)
+        settings = settings_from_args(args)
         engine = build_engine(args.model, engine_kwargs(args), args.engine, args.engine_threads)
         stats = engine.stats()
         log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
@@ -162,18 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the gateway and the engine"))
     bench_parser = sub.add_parser("bench", help="load-test a running server")
-    try:
-        from chatsvc import bench
-    except ImportError:
-        bench = None  # type: ignore[assignment]
-    if bench is not None:
-        bench.add_arguments(bench_parser)
+    from chatsvc import bench
+
+    bench.add_arguments(bench_parser)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
-    if bench is None:
-        print("chatsvc bench is not available in this build", file=sys.stderr)
-        return 2
     return int(bench.run(args))
 
 

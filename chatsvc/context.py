@@ -34,13 +34,9 @@ class Gateway:
     turns: TurnRegistry
     engine_ready: bool = False
 
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        return (self.engine.model_name, *self.settings.extra_model_names)
-
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.model_names:
-            return str(self.engine.model_name)
+        if model is None or model == self.engine.model_name:
+            return self.engine.model_name
         raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
 
 
@@ -77,17 +73,3 @@ def parse(model: type[M], data: Any) -> M:
     except pydantic.ValidationError as exc:
         raise from_validation_error(exc) from exc
 
-
-def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
-    """OpenAI semantics: the prompt must fit and leave room for the requested completion."""
-    if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-                       f"{prompt_len} tokens.", code="context_length_exceeded", param="messages")
-    room = max_model_len - prompt_len
-    if requested is None:
-        return room if default is None else min(default, room)
-    if requested > room:
-        raise APIError(400, f"max_tokens ({requested}) plus the prompt ({prompt_len} tokens) exceeds the "
-                       f"maximum context length of {max_model_len} tokens", code="context_length_exceeded",
-                       param="max_tokens")
-    return requested

@@ -9,16 +9,12 @@ from chatsvc.errors import APIError
 from chatsvc.metrics import Metrics, RequestTimer
 from engine.client import EngineClient
 from engine.request import SamplingParams
+from engine.scheduler import QueueFullError
 
 
 def queue_full_error(retry_after_s: int) -> APIError:
     return APIError(429, "the server is at capacity; retry shortly", code="queue_full",
                     headers={"Retry-After": str(retry_after_s)})
-
-
-def _is_queue_full(exc: BaseException) -> bool:
-    # Matched by name so this module imports without the engine's async facade.
-    return any(c.__name__ == "QueueFullError" for c in type(exc).__mro__)
 
 
 class Generation:
@@ -49,15 +45,17 @@ class Generation:
         except ValueError as exc:
             await self.close()
             raise APIError(400, str(exc), code="invalid_request") from exc
-        except Exception as exc:
+        except QueueFullError as exc:
             await self.close()
-            if _is_queue_full(exc):
-                raise queue_full_error(self.retry_after_s) from exc
+            raise queue_full_error(self.retry_after_s) from exc
+        except Exception:
+            await self.close()
             raise
 
     async def close(self) -> None:
         """Abort the request if it is still running (idempotent)."""
         it, self._it = self._it, None
+        # EngineClient.generate promises an AsyncIterator; both engines return async generators.
         if it is not None and hasattr(it, "aclose"):
             await it.aclose()  # type: ignore[attr-defined]
 

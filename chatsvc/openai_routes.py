@@ -16,31 +16,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from chatsvc.context import Gateway, gateway, parse, read_json, resolve_max_tokens
+from chatsvc.context import Gateway, gateway, parse, read_json
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
-from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, usage
+from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 
 
 async def list_models(request: Request) -> JSONResponse:
     gw = gateway(request)
     gw.auth.from_http(request.headers)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "chatsvc",
-             "max_model_len": gw.engine.max_model_len} for name in gw.model_names]
+    data = [{"id": gw.engine.model_name, "object": "model", "created": 0, "owned_by": "chatsvc",
+             "max_model_len": gw.engine.max_model_len}]
     return JSONResponse({"object": "list", "data": data})
 
 
 def _check_n(gw: Gateway, n: int) -> None:
     if n > gw.settings.max_n:
         raise APIError(400, f"n must be <= {gw.settings.max_n}", code="invalid_value", param="n")
-
-
-def _params(req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None) -> Any:
-    try:
-        return req.sampling_params(max_tokens, n=req.n, logprobs=logprobs)
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from exc
 
 
 class _Tokens:
@@ -86,7 +79,7 @@ async def chat_completions(request: Request) -> Response:
     max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len, None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     rid = "chatcmpl-" + secrets.token_hex(12)
-    gen = Generation(gw.engine, gw.metrics, rid, _params(req, max_tokens, logprobs), prompt_ids,
+    gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids,
                      gw.settings.retry_after_s)
     await gen.start()
     created = int(time.time())
@@ -149,6 +142,16 @@ def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
     return usage(prompt, completion, cached)
 
 
+def _chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool,
+           usage_: dict[str, Any] | None = None) -> dict[str, str]:
+    """A streaming chunk built as a dict: one with logprobs, or the final usage chunk (the plain per-token
+    chunks are rendered by wire.ChunkTemplate)."""
+    chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        chunk["usage"] = usage_
+    return {"data": json.dumps(chunk)}
+
+
 async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
                        model: str) -> AsyncIterator[dict[str, str] | bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -172,14 +175,9 @@ async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest,
                                       "logprobs": {"content": toks.chat(d.token_ids, d.logprobs,
                                                                         req.top_logprobs or 0)},
                                       "finish_reason": reason}
-            chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                     "model": model, "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            yield {"data": json.dumps(chunk)}
+            yield _chunk(rid, "chat.completion.chunk", created, model, [choice], include_usage)
         if include_usage:
-            yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                       "model": model, "choices": [], "usage": _usage(last, 0)})}
+            yield _chunk(rid, "chat.completion.chunk", created, model, [], True, _usage(last, 0))
         yield {"data": "[DONE]"}
     finally:
         gw.metrics.open_sse.dec()
@@ -205,7 +203,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "prompt must contain at least one token", code="invalid_value", param="prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), gw.engine.max_model_len, 16)
     rid = "cmpl-" + secrets.token_hex(12)
-    gen = Generation(gw.engine, gw.metrics, rid, _params(req, max_tokens, req.logprobs), prompt_ids,
+    gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, req.logprobs), prompt_ids,
                      gw.settings.retry_after_s)
     await gen.start()
     created = int(time.time())
@@ -247,14 +245,9 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
                                       "logprobs": toks.completion(d.token_ids, d.logprobs, req.logprobs, off),
                                       "finish_reason": reason}
             offsets[d.index] = off + len(d.text)
-            chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                                     "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
-            yield {"data": json.dumps(chunk)}
+            yield _chunk(rid, "text_completion", created, model, [choice], include_usage)
         if include_usage:
-            yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": created,
-                                       "model": model, "choices": [], "usage": _usage(last, 0)})}
+            yield _chunk(rid, "text_completion", created, model, [], True, _usage(last, 0))
         yield {"data": "[DONE]"}
     finally:
         gw.metrics.open_sse.dec()

@@ -88,7 +88,3 @@ class Personas:
     async def unpin(self, name: str) -> None:
         if self.pinned.pop(name, None) is not None:
             self.engine.unpin_prefix(pin_key(name))
-
-    async def unpin_all(self) -> None:
-        for name in list(self.pinned):
-            await self.unpin(name)

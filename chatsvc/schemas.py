@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from chatsvc.errors import APIError
 from engine.request import SamplingParams
 
 
@@ -42,24 +43,28 @@ class SamplingFields(_Lenient):
         return v
 
     def sampling_params(self, max_tokens: int, n: int = 1, logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters; a combination the engine refuses is a 400 (``invalid_value``)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            n=n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
-            seed=self.seed,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens),
-            logprobs=logprobs,
-        )
+        try:
+            return SamplingParams(
+                n=n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=min(self.min_tokens, max_tokens),
+                logprobs=logprobs,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
 
 
 class TextPart(_Lenient):
@@ -150,3 +155,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, default: int | None) -> int:
+    """OpenAI semantics: the prompt must fit and leave room for the requested completion."""
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                       f"{prompt_len} tokens.", code="context_length_exceeded", param="messages")
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise APIError(400, f"max_tokens ({requested}) plus the prompt ({prompt_len} tokens) exceeds the "
+                       f"maximum context length of {max_model_len} tokens", code="context_length_exceeded",
+                       param="max_tokens")
+    return requested

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -41,5 +41,3 @@ class Settings:
     retry_after_s: int = 1
     kv_stream_interval_s: float = 0.25
     web_dir: Path | None = None
-    redis_description: str = ""
-    extra_model_names: tuple[str, ...] = field(default_factory=tuple)

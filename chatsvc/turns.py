@@ -26,11 +26,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from chatsvc.context import resolve_max_tokens
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.metrics import Metrics
-from chatsvc.schemas import SamplingFields, usage
+from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionMeta, Store
 from chatsvc.wire import delta_event
@@ -116,10 +115,7 @@ class TurnRegistry:
         prompt_ids = list(tok.apply_chat_template(conversation, add_generation_prompt=True))
         max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
                                         self.settings.default_session_max_tokens)
-        try:
-            params = sampling.sampling_params(max_tokens)
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from exc
+        params = sampling.sampling_params(max_tokens)
         user_msg = {"role": "user", "content": content, "created": time.time(),
                     "tokens": len(tok.encode(content))}
         turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)

@@ -9,18 +9,16 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import pydantic
 from redis.exceptions import RedisError
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from chatsvc import session_ops as ops
 from chatsvc.auth import bearer, origin_allowed, ws_key_from_protocols
-from chatsvc.context import Gateway, gateway
-from chatsvc.errors import APIError, from_validation_error
+from chatsvc.context import Gateway, gateway, parse
+from chatsvc.errors import APIError
 from chatsvc.schemas import SessionMessage
-from chatsvc.sessions import create_session, session_view
 from chatsvc.store import SessionMeta
-from chatsvc.turns import ActiveTurn, parse_event_id
 from chatsvc.wire import delta_frame
 
 log = logging.getLogger("chatsvc.ws")
@@ -36,8 +34,7 @@ class Connection:
         self.meta: SessionMeta | None = None
         self.send_lock = asyncio.Lock()
         self.pump: asyncio.Task[None] | None = None
-        self.attached: ActiveTurn | None = None
-        self.closing = False
+        self.reader: ops.ReplyReader | None = None
 
     async def send(self, frame: dict[str, Any]) -> None:
         await self.send_text(json.dumps(frame))
@@ -61,27 +58,17 @@ class Connection:
         if self.meta is None:
             raise APIError(400, "send a hello frame first", code="no_session")
         if kind == "message":
-            body = {k: v for k, v in frame.items() if k != "type"}
-            try:
-                req = SessionMessage.model_validate(body)
-            except pydantic.ValidationError as exc:
-                raise from_validation_error(exc) from exc
-            self.meta = await self._reload()
-            at = await self.gw.turns.start(self.meta, req.content, req)
-            self._follow(at, at.turn, "0")
+            req = parse(SessionMessage, {k: v for k, v in frame.items() if k != "type"})
+            self.meta = await ops.load_session(self.gw, self.meta.id, self.owner)
+            self._follow(await ops.send_message(self.gw, self.meta, req))
         elif kind == "cancel":
-            await self.gw.turns.cancel(self.meta.id)
+            await ops.cancel(self.gw, self.meta)
         elif kind == "resume":
             after = frame.get("after")
             if after is not None and not isinstance(after, str):
                 raise APIError(400, "after must be an event id string", code="invalid_value", param="after")
-            self.meta = await self._reload()
-            turn, stream_after = parse_event_id(after)
-            turn = self.meta.turns if turn is None else turn
-            resumed = self.gw.turns.attach(self.meta.id, turn)
-            if resumed is None and not await self.gw.store.stream_exists(self.meta.id, turn):
-                raise APIError(404, "no reply to resume", code="stream_not_found")
-            self._follow(resumed, turn, stream_after)
+            self.meta = await ops.load_session(self.gw, self.meta.id, self.owner)
+            self._follow(await ops.resume(self.gw, self.meta, after))
 
     async def hello(self, frame: dict[str, Any]) -> None:
         if self.owner is None:
@@ -91,35 +78,21 @@ class Connection:
         if sid is not None and not isinstance(sid, str) or persona is not None and not isinstance(persona, str):
             raise APIError(400, "session_id and persona must be strings", code="invalid_value")
         if sid:
-            meta = await self.gw.store.get_session(sid, self.owner)
-            if meta is None:
-                raise APIError(404, f"session {sid!r} not found", code="session_not_found")
+            meta = await ops.load_session(self.gw, sid, self.owner)
         else:
-            meta = await create_session(self.gw, self.owner, persona)
+            meta = await ops.create_session(self.gw, self.owner, persona)
         self._stop_pump(abort_now=False)
         self.meta = meta
-        await self.send({"type": "session", **await session_view(self.gw, meta)})
+        await self.send({"type": "session", **await ops.session_view(self.gw, meta)})
 
-    async def _reload(self) -> SessionMeta:
-        assert self.meta is not None and self.owner is not None
-        meta = await self.gw.store.get_session(self.meta.id, self.owner)
-        if meta is None:
-            raise APIError(404, "session not found (deleted or expired)", code="session_not_found")
-        return meta
+    def _follow(self, reader: ops.ReplyReader) -> None:
+        self._stop_pump(abort_now=False)
+        self.reader = reader
+        self.pump = asyncio.create_task(self._pump(reader))
 
-    def _follow(self, at: ActiveTurn | None, turn: int, after: str) -> None:
-        old = self.attached
-        self.attached = at
-        if self.pump is not None:
-            self.pump.cancel()
-        if old is not None:
-            self.gw.turns.detach(old, abort_now=False)
-        assert self.meta is not None
-        self.pump = asyncio.create_task(self._pump(self.meta.id, turn, after, at))
-
-    async def _pump(self, sid: str, turn: int, after: str, at: ActiveTurn | None) -> None:
+    async def _pump(self, reader: ops.ReplyReader) -> None:
         try:
-            async for eid, ev, _ in self.gw.turns.follow_json(sid, turn, after):
+            async for eid, ev, _ in reader.events():
                 if ev["type"] == "delta":
                     await self.send_text(delta_frame(ev["text"], eid))
                 elif ev["type"] == "done":
@@ -133,20 +106,19 @@ class Connection:
         except Exception as exc:  # the socket went away under us; the receive loop cleans up
             log.debug("pump ended: %r", exc)
         finally:
-            if self.attached is at and at is not None and not self.closing:
-                self.attached = None
-                self.gw.turns.detach(at, abort_now=False)
+            reader.release()  # a no-op when close() released it first (maybe aborting)
 
     def _stop_pump(self, abort_now: bool) -> None:
+        # Released before the pump is cancelled, so a clean close's abort is not pre-empted by the pump's
+        # own (grace-period) release; a pump cancelled before it ever ran releases nothing itself.
+        if self.reader is not None:
+            self.reader.release(abort_now=abort_now)
+            self.reader = None
         if self.pump is not None:
             self.pump.cancel()
             self.pump = None
-        if self.attached is not None:
-            at, self.attached = self.attached, None
-            self.gw.turns.detach(at, abort_now=abort_now)
 
     async def close(self, code: int) -> None:
-        self.closing = True
         pump = self.pump
         self._stop_pump(abort_now=code in CLEAN_CLOSE)
         if pump is not None:

@@ -12,7 +12,6 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -20,9 +19,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     SWAPPED = "swapped"
     FINISHED = "finished"
-
-
-FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass
@@ -101,8 +97,6 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.output_logprobs: list[dict[int, float]] = []
-        # Detokenizer state, owned by engine.detokenizer.
-        self.detok_state: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,10 +7,12 @@ ordinary tokenizer files under the user cache directory, keyed by the file's pat
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,13 +29,35 @@ def cache_dir() -> Path:
 
 
 class Tokenizer:
+    """Safe to share between threads: each thread uses its own copy of the transformers tokenizer.
+
+    The Rust tokenizer behind it is one object with a runtime borrow check: a call that reconfigures
+    it (transformers does when a call's truncation or padding differ from the last one) while another
+    thread encodes with the GIL released raises "Already borrowed" on tokenizers builds without an
+    internal lock. Per-thread copies were chosen over one lock so that the engine thread's per-token
+    decodes never wait behind a long prompt being encoded on the event loop. The thread that built
+    the tokenizer uses the original; any other thread pays for one copy (a few tenths of a second for
+    a 49k vocabulary) on its first call.
+    """
+
     def __init__(self, hf: PreTrainedTokenizerFast, extra_eos_ids: Iterable[int] = ()) -> None:
-        self.hf = hf
+        self._local = threading.local()
+        self._local.hf = hf
+        self._original = hf
         eos = set(extra_eos_ids)
         if hf.eos_token_id is not None:
             eos.add(int(hf.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf)
+
+    @property
+    def hf(self) -> PreTrainedTokenizerFast:
+        """The calling thread's own transformers tokenizer."""
+        try:
+            return self._local.hf  # type: ignore[no-any-return]
+        except AttributeError:
+            self._local.hf = copy.deepcopy(self._original)
+            return self._local.hf  # type: ignore[no-any-return]
 
     @classmethod
     def from_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:

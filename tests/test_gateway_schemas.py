@@ -3,9 +3,8 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from chatsvc.context import resolve_max_tokens
 from chatsvc.errors import APIError
-from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, SessionMessage
+from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, SessionMessage, resolve_max_tokens
 
 
 def test_chat_request_maps_to_sampling_params() -> None:

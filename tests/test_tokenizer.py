@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,42 @@ def test_chat_template_renders_chatml(tiny: Tokenizer) -> None:
         f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
     assert with_prompt[: len(without)] == without
     assert tiny.decode(with_prompt[len(without):], skip_special_tokens=False) == "<|im_start|>assistant\n"
+
+
+def test_threads_share_one_tokenizer_safely(tiny: Tokenizer) -> None:
+    """Encode, decode and chat templates hammered from several threads at once, while one thread also
+    calls the transformers tokenizer with truncation on and off (which reconfigures the Rust backend
+    object between calls): every thread gets the single-threaded results and none sees an error.
+
+    Each thread works on its own backend object. A shared one is truncated under the other threads'
+    feet, and on tokenizers builds that check borrows at run time (0.21, for one) a reconfiguration
+    that meets an encode raises "Already borrowed".
+    """
+    text = TEXTS[2] * 20
+    ids = tiny.encode(text)
+    chat = tiny.apply_chat_template(CONVERSATIONS[1])
+    expected = {"encode": ids, "decode": tiny.decode(ids), "chat": chat}
+    threads = 6
+    start = threading.Barrier(threads)
+    backends: set[int] = set()
+
+    def work(i: int) -> list[str]:
+        start.wait()
+        backends.add(id(tiny.hf._tokenizer))
+        bad = []
+        for k in range(150):
+            got = {"encode": tiny.encode(text), "decode": tiny.decode(ids),
+                   "chat": tiny.apply_chat_template(CONVERSATIONS[1])}
+            if i == 0:
+                tiny.hf(text, truncation=bool(k % 2), max_length=8)
+            if got != expected:
+                bad.append(f"thread {i}, round {k}")
+        return bad
+
+    with ThreadPoolExecutor(threads) as pool:
+        failures = [f for bad in pool.map(work, range(threads)) for f in bad]
+    assert failures == []
+    assert len(backends) == threads  # no two threads ever shared the Rust object
 
 
 def test_missing_chat_template_is_a_value_error(tiny: Tokenizer) -> None:

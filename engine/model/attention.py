@@ -25,11 +25,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.context_lens.shape[0])
 
-    @property
-    def num_decode_tokens(self) -> int:
-        # Decodes are one token each and come first, so they are also the first num_decodes tokens.
-        return self.num_decodes
-
     @cached_property
     def prefill_query_start_loc(self) -> Tensor:
         # Computed once per step (not once per layer): the prefill kernel indexes its own queries from 0.

@@ -1,0 +1,71 @@
+"""/v1/kv and /v1/kv/stream: the engine's block-pool picture (for the web UI's KV view), optionally
+with one session's blocks picked out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from redis.exceptions import RedisError
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatsvc.context import Gateway, gateway
+from chatsvc.personas import pin_key
+from chatsvc.session_ops import load_session
+
+
+async def _kv_payload(gw: Gateway, session: dict[str, Any] | None) -> dict[str, Any]:
+    snap = gw.engine.kv_snapshot()
+    payload: dict[str, Any] = {**snap, **gw.engine.stats()}
+    if session is not None:
+        rid = gw.turns.request_id(session["id"])
+        pins = snap.get("pins") or {}
+        payload["session"] = {
+            **session,
+            "request_id": rid,
+            "blocks": list(snap.get("requests", {}).get(rid, [])) if rid else [],
+            "persona_blocks": list(pins.get(pin_key(session["persona"]), [])),
+        }
+    return payload
+
+
+async def _session_for_kv(gw: Gateway, request: Request) -> dict[str, Any] | None:
+    sid = request.query_params.get("session_id")
+    if not sid:
+        return None
+    owner = gw.auth.from_http(request.headers, request.query_params)
+    try:
+        meta = await load_session(gw, sid, owner)
+    except RedisError:
+        return None  # the KV picture does not need Redis: show it without the session
+    return {"id": meta.id, "persona": meta.persona}
+
+
+async def kv(request: Request) -> JSONResponse:
+    gw = gateway(request)
+    gw.auth.from_http(request.headers, request.query_params)
+    return JSONResponse(await _kv_payload(gw, await _session_for_kv(gw, request)))
+
+
+async def kv_stream(request: Request) -> Response:
+    gw = gateway(request)
+    gw.auth.from_http(request.headers, request.query_params)
+    session = await _session_for_kv(gw, request)
+
+    async def events() -> AsyncIterator[dict[str, str]]:
+        while True:
+            yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, session))}
+            await asyncio.sleep(gw.settings.kv_stream_interval_s)
+
+    return EventSourceResponse(events(), ping=15)
+
+
+routes = [
+    Route("/v1/kv", kv, methods=["GET"]),
+    Route("/v1/kv/stream", kv_stream, methods=["GET"]),
+]

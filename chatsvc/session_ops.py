@@ -1,0 +1,84 @@
+"""Session operations shared by every transport (HTTP routes in ``sessions``, WebSocket in ``ws``).
+
+A transport parses its own framing, then calls these: create, load (or 404), view, send a message,
+resume a reply, cancel. A reply is read through a :class:`ReplyReader`, which holds the reader's
+place on a running turn and gives it back exactly once, however the transport stops reading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from chatsvc.context import Gateway
+from chatsvc.errors import APIError
+from chatsvc.personas import DEFAULT_PERSONA
+from chatsvc.schemas import SessionMessage
+from chatsvc.store import SessionMeta
+from chatsvc.turns import ActiveTurn, parse_event_id
+
+
+def session_not_found(sid: str) -> APIError:
+    return APIError(404, f"session {sid!r} not found", code="session_not_found", param="session_id")
+
+
+async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
+    meta = await gw.store.get_session(sid, owner)
+    if meta is None:
+        raise session_not_found(sid)
+    return meta
+
+
+async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None) -> SessionMeta:
+    name = persona or DEFAULT_PERSONA
+    body = await gw.store.get_persona(name)
+    if body is None:
+        raise APIError(404, f"persona {name!r} not found", code="persona_not_found", param="persona")
+    # The prompt is copied so later edits of the persona do not rewrite existing conversations.
+    return await gw.store.create_session(owner, name, body["system_prompt"], title or "")
+
+
+async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
+    return {**meta.public(), "busy": meta.id in gw.turns.active, "messages": await gw.store.messages(meta.id)}
+
+
+async def cancel(gw: Gateway, meta: SessionMeta) -> bool:
+    return await gw.turns.cancel(meta.id)
+
+
+class ReplyReader:
+    """One reader of one session reply: its events after ``after``, until the done/error event."""
+
+    def __init__(self, gw: Gateway, session_id: str, turn: int, after: str, at: ActiveTurn | None) -> None:
+        self.gw = gw
+        self.session_id = session_id
+        self.turn = turn
+        self.after = after
+        self._at = at  # the running turn this reader holds, if the reply is still being generated
+
+    def events(self) -> AsyncIterator[tuple[str, dict[str, Any], str]]:
+        """(event id, event, its stored JSON). The transport calls :meth:`release` once it stops reading
+        (a generator left by an exception or a closed outer generator is not closed in time by itself)."""
+        return self.gw.turns.follow_json(self.session_id, self.turn, self.after)
+
+    def release(self, abort_now: bool = False) -> None:
+        """Give the turn back (idempotent): the last reader to leave starts its abort grace, or aborts it."""
+        at, self._at = self._at, None
+        if at is not None:
+            self.gw.turns.detach(at, abort_now=abort_now)
+
+
+async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
+    """Store the user's message and start the reply; the caller reads it from the start."""
+    at = await gw.turns.start(meta, req.content, req)
+    return ReplyReader(gw, meta.id, at.turn, "0", at)
+
+
+async def resume(gw: Gateway, meta: SessionMeta, last_event_id: str | None) -> ReplyReader:
+    """(Re)attach to a reply after the last event id seen (``"turn:stream-id"``; none: the latest turn)."""
+    turn, after = parse_event_id(last_event_id)
+    turn = meta.turns if turn is None else turn
+    at = gw.turns.attach(meta.id, turn)
+    if at is None and not await gw.store.stream_exists(meta.id, turn):
+        raise APIError(404, "no reply to resume (finished and expired, or never started)", code="stream_not_found")
+    return ReplyReader(gw, meta.id, turn, after, at)
