@@ -187,9 +187,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def get_group(self, request_id: str) -> SequenceGroup | None:
-        return self._groups.get(request_id)
-
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         out = self.scheduler.schedule()

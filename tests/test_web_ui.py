@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ def free_port() -> int:
 class Server:
     url: str
     redis_port: int
+    pid: int
 
     def api(self, method: str, path: str, **kw: Any) -> Any:
         r = httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10, **kw)
@@ -94,12 +97,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "chatsvc.cli", "serve", "--port", str(port),
              "--redis-url", f"redis://127.0.0.1:{redis_port}/0", "--api-key", API_KEY,
-             "--num-kv-blocks", "160", "--dtype", "bfloat16", "--log-level", "warning"],
+             "--num-kv-blocks", "160", "--log-level", "warning"],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(url, proc, log, timeout=120)
-        yield Server(url, redis_port)
+        yield Server(url, redis_port, proc.pid)
     finally:
         _stop(proc)
         _stop(redis)
@@ -175,6 +178,22 @@ def wait_reply_done(page: Any, timeout: float = 60_000) -> str:
         "() => { const m = [...document.querySelectorAll('.msg.assistant')].pop(); return m && m.dataset.finish; }",
         timeout=timeout)
     return str(last_reply(page).get_attribute("data-finish"))
+
+
+@contextmanager
+def engine_paused(server: Server) -> Iterator[None]:
+    """SIGSTOP the server's engine process (its multiprocessing child) for the block: what the page does
+    meanwhile cannot race the model, however fast the machine generates."""
+    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    engines = [int(c) for c in children
+               if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()
+               and b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(engines) == 1, f"expected one engine process under {server.pid}, found {engines}"
+    os.kill(engines[0], signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(engines[0], signal.SIGCONT)
 
 
 def stored_messages(server: Server, sid: str) -> list[dict[str, Any]]:
@@ -285,8 +304,10 @@ def test_stop_keeps_the_partial_reply(open_tab: Callable[..., Tab], server: Serv
     sid = start_chat(page, "assistant", max_tokens=400)
     send(page, "Write a long story about a dragon who learns to cook.")
     wait_reply_started(page)
-    page.click("#stop")
-    assert wait_reply_done(page) == "abort"
+    # With the model paused the reply cannot reach max_tokens before the click lands (it once did).
+    with engine_paused(server):
+        page.click("#stop")
+        assert wait_reply_done(page) == "abort"
     reply = last_reply(page)
     partial = reply.get_attribute("data-text")
     assert partial
