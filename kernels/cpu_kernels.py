@@ -24,10 +24,13 @@ builds the default one so the first request does not pay for it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -35,6 +38,8 @@ import torch
 from torch import Tensor
 
 from kernels.reference import copy_blocks, swap_blocks
+
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 ISA_ENV = "CHATSVC_CPU_ISA"
@@ -109,13 +114,31 @@ def load_extension(isa: str | None = None) -> ModuleType:
         raise
 
 
+# A build takes about a minute on two cores; a lock file this old was left by a build that was killed.
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's builder waits on ``<build dir>/lock`` with no timeout, so a build killed midway (a test
+    timeout, Ctrl-C) would make every later process hang at start; an old lock is removed instead."""
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
+    with contextlib.suppress(FileNotFoundError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing the stale build lock %s", lock)
+            lock.unlink()
+
+
 @functools.cache
 def _build(isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     _ninja_on_path()
+    name = f"chatsvc_cpu_kernels_{isa}"
+    _clear_stale_lock(name)
     return cpp_extension.load(
-        name=f"chatsvc_cpu_kernels_{isa}",
+        name=name,
         sources=[str(SOURCE)],
         # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
         # The extension then shares the libgomp torch already loaded (same soname). No FMA contraction

@@ -7,6 +7,10 @@ it read a slot it should not have. The reference needs finite garbage there, so 
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -266,3 +270,16 @@ def test_cpu_backend_exposes_the_cpu_ops() -> None:
     assert backend.ops.silu_and_mul is cpu_kernels.silu_and_mul
     assert backend.write_kv_cache is cpu_kernels.write_kv_cache
     assert kernels.get_backend("torch", "cpu").ops is kernels.REFERENCE_OPS
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch waits forever on a lock left by a killed build; ours clears locks older than a build can take."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    for name, age in (("stale", cpu_kernels.STALE_LOCK_S + 60), ("fresh", 5.0)):
+        lock = tmp_path / name / "lock"
+        lock.parent.mkdir()
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        cpu_kernels._clear_stale_lock(name)
+    assert not (tmp_path / "stale" / "lock").exists()
+    assert (tmp_path / "fresh" / "lock").exists()
