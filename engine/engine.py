@@ -6,6 +6,8 @@ and ``engine.async_engine.AsyncEngine`` drives it from a worker thread for the g
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,8 @@ from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler import QueueFullError, Scheduler
 from kernels import get_backend
+
+log = logging.getLogger("chatsvc.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MB = 1024
@@ -101,7 +105,11 @@ class LLMEngine:
         kv_reservation: str = "paged",
         max_waiting: int = 1024,
         linear_backend: str = "auto",
+        fault_request_prefix: str | None = None,
     ) -> None:
+        """``fault_request_prefix`` is a test hook: the model run of any step that schedules a request whose
+        id starts with it raises, as a bug or a bad input inside the forward pass would. Only a constructor
+        argument, so no API request can turn it on."""
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
         torch_dtype = resolve_dtype(dtype, device)
@@ -145,6 +153,8 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}
+        self._fault_prefix = fault_request_prefix
+        self._failures: list[tuple[str, BaseException]] = []
 
     @property
     def max_model_len(self) -> int:
@@ -198,11 +208,70 @@ class LLMEngine:
             deltas.extend(self._finish_request(group))
         if out.is_empty:
             return deltas
-        logits, samplers = self.runner.execute(out)
+        # The block plans run once: swapped-out blocks may be reused by this very step's sequences, so
+        # running them again after a failed forward would copy overwritten KV.
+        self.runner.execute_block_plans(out)
+        out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=())
+        try:
+            logits, samplers = self._forward(out)
+        except Exception as exc:  # noqa: BLE001 - isolated below; only the culprits fail
+            log.warning("engine step failed (%s); isolating the request(s) that caused it", exc)
+            logits, samplers, out = self._isolate(out, exc)
         self.scheduler.update(out)
         if logits is not None:
             deltas.extend(self._sample_and_update(logits, samplers))
         return deltas
+
+    def take_failures(self) -> list[tuple[str, BaseException]]:
+        """Requests that a step failed and aborted since the last call: (request id, what its stream raises)."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, tuple[ScheduledSeq, ...]]:
+        if self._fault_prefix is not None:
+            for item in out.scheduled:
+                if item.group.request_id.startswith(self._fault_prefix):
+                    raise RuntimeError(f"injected fault for request {item.group.request_id!r}")
+        return self.runner.execute(out)
+
+    def _isolate(self, out: SchedulerOutput, exc: Exception
+                 ) -> tuple[torch.Tensor | None, tuple[ScheduledSeq, ...], SchedulerOutput]:
+        """Re-run a failed step's requests in halves until each failing part is a single request; those
+        requests are aborted (their blocks freed) and reported through ``take_failures``, the rest of the
+        step completes. Each request's tokens are recomputed at the same positions and slots, so a retry
+        overwrites whatever the failed run left in its KV. A request that raises every time fails alone,
+        once, and never runs again: no livelock."""
+        groups = list(dict.fromkeys(item.group for item in out.scheduled))
+        parts: list[tuple[torch.Tensor | None, tuple[ScheduledSeq, ...], tuple[ScheduledSeq, ...]]] = []
+        pending: list[tuple[list[SequenceGroup], BaseException | None]] = [
+            (groups[: len(groups) // 2], None), (groups[len(groups) // 2:], None)] if len(groups) > 1 else [
+            (groups, exc)]
+        while pending:
+            part, known = pending.pop(0)
+            if not part:
+                continue
+            items = tuple(item for item in out.scheduled if item.group in part)
+            error = known
+            if error is None:
+                try:
+                    logits, samplers = self._forward(dataclasses.replace(out, scheduled=items))
+                    parts.append((logits, samplers, items))
+                    continue
+                except Exception as err:  # noqa: BLE001 - narrowed down further
+                    error = err
+            if len(part) > 1:
+                half = len(part) // 2
+                pending[:0] = [(part[:half], None), (part[half:], None)]
+                continue
+            group = part[0]
+            log.error("request %s fails the engine step: %s", group.request_id, error)
+            self.abort_request(group.request_id)
+            self._failures.append((group.request_id, RuntimeError(f"engine error: {error}")))
+        done = tuple(item for _, _, items in parts for item in items)
+        samplers = tuple(s for _, ss, _ in parts for s in ss)
+        logit_parts = [lg for lg, _, _ in parts if lg is not None]
+        logits = torch.cat(logit_parts) if logit_parts else None
+        return logits, samplers, dataclasses.replace(out, scheduled=done)
 
     def _sample_and_update(self, logits: torch.Tensor, samplers: tuple[ScheduledSeq, ...]) -> list[RequestDelta]:
         rows: list[int] = []
