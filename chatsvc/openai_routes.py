@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -21,6 +22,8 @@ from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
+
+log = logging.getLogger("chatsvc.openai")
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -149,6 +152,13 @@ def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
     return usage(prompt, completion, cached)
 
 
+def _stream_error(rid: str, exc: Exception) -> dict[str, str]:
+    """The terminal event of a stream whose request failed after the response began (no [DONE] follows)."""
+    log.warning("stream %s failed: %s", rid, exc)
+    return {"data": json.dumps({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error",
+                                          "param": None, "code": "engine_failed"}})}
+
+
 async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
                        model: str) -> AsyncIterator[dict[str, str] | bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -181,6 +191,8 @@ async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest,
             yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                        "model": model, "choices": [], "usage": _usage(last, 0)})}
         yield {"data": "[DONE]"}
+    except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so instead of cutting it off
+        yield _stream_error(rid, exc)
     finally:
         gw.metrics.open_sse.dec()
         await gen.close()
@@ -256,6 +268,8 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
             yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": created,
                                        "model": model, "choices": [], "usage": _usage(last, 0)})}
         yield {"data": "[DONE]"}
+    except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so instead of cutting it off
+        yield _stream_error(rid, exc)
     finally:
         gw.metrics.open_sse.dec()
         await gen.close()
