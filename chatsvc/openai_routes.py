@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -22,8 +21,6 @@ from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
-
-log = logging.getLogger("chatsvc.openai")
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -95,7 +92,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         # The background close also aborts a request whose client left before the stream began.
-        return EventStream(_chat_stream(gw, gen, req, rid, created, model), ping=10,
+        return EventStream(_ending_with_error(_chat_stream(gw, gen, req, rid, created, model)), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen)
     toks = _Tokens(gw.engine.tokenizer)
@@ -152,13 +149,6 @@ def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
     return usage(prompt, completion, cached)
 
 
-def _stream_error(rid: str, exc: Exception) -> dict[str, str]:
-    """The terminal event of a stream whose request failed after the response began (no [DONE] follows)."""
-    log.warning("stream %s failed: %s", rid, exc)
-    return {"data": json.dumps({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error",
-                                          "param": None, "code": "engine_failed"}})}
-
-
 async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
                        model: str) -> AsyncIterator[dict[str, str] | bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -191,8 +181,6 @@ async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest,
             yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                        "model": model, "choices": [], "usage": _usage(last, 0)})}
         yield {"data": "[DONE]"}
-    except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so instead of cutting it off
-        yield _stream_error(rid, exc)
     finally:
         gw.metrics.open_sse.dec()
         await gen.close()
@@ -223,7 +211,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return EventStream(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10,
+        return EventStream(_ending_with_error(_completion_stream(gw, gen, req, rid, created, model, echo)), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen, echo)
     toks = _Tokens(tok)
@@ -268,11 +256,23 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
             yield {"data": json.dumps({"id": rid, "object": "text_completion", "created": created,
                                        "model": model, "choices": [], "usage": _usage(last, 0)})}
         yield {"data": "[DONE]"}
-    except Exception as exc:  # noqa: BLE001 - the engine failed mid-stream: say so instead of cutting it off
-        yield _stream_error(rid, exc)
     finally:
         gw.metrics.open_sse.dec()
         await gen.close()
+
+
+async def _ending_with_error(events: AsyncIterator[dict[str, str] | bytes]) -> AsyncIterator[dict[str, str] | bytes]:
+    """``events``, except that a request failing after the response began (its engine process died, a
+    step failed it) ends with an OpenAI-shaped error event rather than a cut connection; no [DONE] follows."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - whatever it was, the client is told the stream failed
+        yield {"data": json.dumps({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error",
+                                             "param": None, "code": "engine_failed"}})}
+    finally:
+        if hasattr(events, "aclose"):  # a client that left: the inner stream's cleanup runs now, not at GC
+            await events.aclose()
 
 
 routes = [
