@@ -629,11 +629,13 @@ class ProcessEngine(EngineClient):
             if self._stopping:
                 return  # stop() sends the new child its Shutdown
             self.restarts += 1
-            try:
-                for key, ids in list(self._pins.items()):
+            for key, ids in list(self._pins.items()):
+                try:
                     await self._pin(key, ids)
-            except EngineDeadError:
-                return  # died again: its _on_exit has started the next restart
+                except EngineDeadError:
+                    return  # died again: its _on_exit has started the next restart
+                except Exception:  # noqa: BLE001 - one prefix that cannot be pinned must not keep it down
+                    log.exception("could not pin %r again in the new engine process", key)
             if conn is self._conn and not self._stopping:
                 self._state = "running"
                 log.info("engine process %d is serving again (%d pins restored)", info.pid, len(self._pins))
