@@ -228,11 +228,27 @@ def test_gateway_survives_a_killed_and_a_stuck_engine_process(live_gateway: tupl
         except Exception as exc:  # noqa: BLE001 - how the stream ended is what is checked below
             ended.append(exc)
 
+    # A session turn streams alongside it (the web UI's path).
+    sid = httpx.post(live.url + "/v1/sessions", json={"persona": "assistant"}, timeout=10).json()["id"]
+    turn: list[dict[str, Any]] = []
+
+    def consume_turn() -> None:
+        msg = {"content": "Hello", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+        with httpx.stream("POST", f"{live.url}/v1/sessions/{sid}/messages", json=msg, timeout=30) as r:
+            if r.status_code != 200:
+                turn.append({"type": "http", "status": r.status_code, "body": r.read().decode()})
+                return
+            for data in sse_events(r):
+                turn.append(json.loads(data))
+
+    turn_reader = threading.Thread(target=consume_turn)
     reader = threading.Thread(target=consume)
+    turn_reader.start()
     reader.start()
     deadline = time.monotonic() + 30
-    while len(events) < 2:
-        assert time.monotonic() < deadline and reader.is_alive(), (events, ended)
+    while len(events) < 2 or len(turn) < 2:  # both batched together, so both are mid-reply
+        assert turn_reader.is_alive(), turn
+        assert time.monotonic() < deadline and reader.is_alive(), (events, ended, turn)
         time.sleep(0.02)
     os.kill(first_pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -245,6 +261,9 @@ def test_gateway_survives_a_killed_and_a_stuck_engine_process(live_gateway: tupl
     last = json.loads(events[-1])
     assert "error" in last, f"the stream ended without an error event: {events[-1]!r} ({ended})"
     assert last["error"]["code"] == "engine_failed" and ended == [None]
+    turn_reader.join(10)
+    assert not turn_reader.is_alive(), "the session turn hangs after the engine died"
+    assert turn[-1]["type"] == "done" and turn[-1]["finish_reason"] == "error", turn[-1]
     r = ready(live)
     assert r.status_code == 503 and "restarting" in r.json()["reason"] and r.headers["Retry-After"]
     r = httpx.post(live.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=10)
