@@ -240,9 +240,12 @@ class LLMEngine:
         requests are aborted (their blocks freed) and reported through ``take_failures``, the rest of the
         step completes. Each request's tokens are recomputed at the same positions and slots, so a retry
         overwrites whatever the failed run left in its KV. A request that raises every time fails alone,
-        once, and never runs again: no livelock."""
+        once, and never runs again: no livelock. The one exception to "alone": a request that took a
+        culprit's prompt blocks from the prefix cache in this same step (identical prompts arriving
+        together) read KV that was never written, and fails with it."""
         groups = list(dict.fromkeys(item.group for item in out.scheduled))
         parts: list[tuple[torch.Tensor | None, tuple[ScheduledSeq, ...], tuple[ScheduledSeq, ...]]] = []
+        culprits: list[tuple[SequenceGroup, BaseException]] = []
         pending: list[tuple[list[SequenceGroup], BaseException | None]] = [
             (groups[: len(groups) // 2], None), (groups[len(groups) // 2:], None)] if len(groups) > 1 else [
             (groups, exc)]
@@ -263,15 +266,34 @@ class LLMEngine:
                 half = len(part) // 2
                 pending[:0] = [(part[:half], None), (part[half:], None)]
                 continue
-            group = part[0]
+            culprits.append((part[0], error))
+        # A culprit's blocks past its computed tokens never got their KV: out of the prefix cache with
+        # them. A request that hit one of them in this same step read that missing KV, so it fails too.
+        unwritten: set[int] = set()
+        for group, error in culprits:
             log.error("request %s fails the engine step: %s", group.request_id, error)
+            for seq in group.seqs:
+                unwritten.update(self.block_manager.block_table(seq)[seq.num_computed_tokens // self.block_manager.block_size:])
+                self.block_manager.abandon(seq)
             self.abort_request(group.request_id)
             self._failures.append((group.request_id, RuntimeError(f"engine error: {error}")))
-        done = tuple(item for _, _, items in parts for item in items)
-        samplers = tuple(s for _, ss, _ in parts for s in ss)
-        logit_parts = [lg for lg, _, _ in parts if lg is not None]
-        logits = torch.cat(logit_parts) if logit_parts else None
-        return logits, samplers, dataclasses.replace(out, scheduled=done)
+        victims = {item.group for _, _, items in parts for item in items
+                   if unwritten.intersection(self.block_manager.block_table(item.seq))}
+        for group in victims:
+            for seq in group.seqs:  # its own new blocks were computed from that missing KV
+                self.block_manager.abandon(seq)
+            self.abort_request(group.request_id)
+            self._failures.append((group.request_id, RuntimeError(
+                "engine error: this request shared prompt blocks with a request that failed the step")))
+        done = tuple(item for _, _, items in parts for item in items if item.group not in victims)
+        kept: list[ScheduledSeq] = []
+        rows: list[torch.Tensor] = []
+        for part_logits, part_samplers, _ in parts:
+            keep = [i for i, s in enumerate(part_samplers) if s.group not in victims]
+            kept += [part_samplers[i] for i in keep]
+            if part_logits is not None and keep:
+                rows.append(part_logits[keep] if len(keep) < len(part_samplers) else part_logits)
+        return (torch.cat(rows) if rows else None), tuple(kept), dataclasses.replace(out, scheduled=done)
 
     def _sample_and_update(self, logits: torch.Tensor, samplers: tuple[ScheduledSeq, ...]) -> list[RequestDelta]:
         rows: list[int] = []

@@ -77,6 +77,17 @@ def test_a_step_that_raises_fails_only_the_requests_that_caused_it(tiny_dir: Pat
     tokens, failed = run_to_end(eng, {"bad-alone": "x y z"})
     assert set(failed) == {"bad-alone"} and not tokens
     assert_all_blocks_free(eng)
+    # Identical prompts in one step: the good twin took the culprit's prompt blocks from the prefix cache
+    # before their KV existed, so it fails with it; none of those blocks stays cached, so the same prompt
+    # later gets the same greedy tokens as on a fresh engine.
+    twin_prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    fresh, _ = run_to_end(LLMEngine(str(tiny_dir), **ENGINE_KW), {"twin": twin_prompt})
+    tokens, failed = run_to_end(eng, {"bad-twin": twin_prompt, "ok-twin": twin_prompt})
+    assert set(failed) == {"bad-twin", "ok-twin"} and "shared prompt blocks" in str(failed["ok-twin"])
+    assert_all_blocks_free(eng)
+    tokens, failed = run_to_end(eng, {"twin-again": twin_prompt})
+    assert not failed and tokens["twin-again"] == fresh["twin"]
+    assert_all_blocks_free(eng)
     # Without the hook nothing fails.
     tokens, failed = run_to_end(eng, {"ok-again": PROMPTS[0]})
     assert not failed and tokens["ok-again"] == reference["ok-0"]
