@@ -31,6 +31,9 @@ from engine.client import EngineClient, EngineDeadError
 
 log = logging.getLogger("chatsvc.app")
 
+STUCK_AFTER_S = 30.0  # no engine step for this long while requests run: not ready
+ENGINE_RETRY_AFTER_S = 5  # what a 503 for an unavailable engine tells clients to wait
+
 
 def default_web_dir() -> Path:
     return Path(chatsvc.__file__).resolve().parent.parent / "web"
@@ -40,12 +43,28 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+def engine_problem(gw: Gateway) -> str | None:
+    """Why the engine cannot serve now (not started, restarting, failed, stuck in a step), else None."""
+    stats = gw.engine.stats()
+    if not (gw.engine_ready and gw.engine.is_running):
+        return f"engine {stats.get('engine_state', 'not running')}"
+    age = float(stats.get("last_step_age_s", 0.0))
+    if stats.get("requests_running", 0) > 0 and age > STUCK_AFTER_S:
+        return f"engine stuck: no step for {age:.0f}s with {stats['requests_running']} requests running"
+    return None
+
+
 async def ready(request: Request) -> JSONResponse:
     gw = gateway(request)
     redis_ok = await gw.store.ping()
-    engine_ok = gw.engine_ready and gw.engine.is_running  # False once an engine process has died
-    ok = engine_ok and redis_ok
-    return JSONResponse({"ready": ok, "engine": engine_ok, "redis": redis_ok}, status_code=200 if ok else 503)
+    problem = engine_problem(gw)
+    ok = problem is None and redis_ok
+    body: dict[str, Any] = {"ready": ok, "engine": problem is None, "redis": redis_ok}
+    reasons = [r for r in (problem, None if redis_ok else "redis unreachable") if r]
+    if reasons:
+        body["reason"] = "; ".join(reasons)
+    headers = {} if ok else {"Retry-After": str(ENGINE_RETRY_AFTER_S)}
+    return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
 
 async def metrics(request: Request) -> Response:
@@ -57,7 +76,9 @@ async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def engine_dead_handler(request: Request, exc: Exception) -> JSONResponse:
-    return APIError(503, "the engine is not running", code="engine_unavailable").response()
+    # A dead engine process is being replaced (engine.engine_process); retrying soon may succeed.
+    return APIError(503, "the engine is not running", code="engine_unavailable",
+                    headers={"Retry-After": str(ENGINE_RETRY_AFTER_S)}).response()
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -85,7 +85,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         # The background close also aborts a request whose client left before the stream began.
-        return EventStream(_chat_stream(gw, gen, req, rid, created, model), ping=10,
+        return EventStream(_ending_with_error(_chat_stream(gw, gen, req, rid, created, model)), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen)
     toks = _Tokens(gw.engine.tokenizer)
@@ -209,7 +209,7 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return EventStream(_completion_stream(gw, gen, req, rid, created, model, echo), ping=10,
+        return EventStream(_ending_with_error(_completion_stream(gw, gen, req, rid, created, model, echo)), ping=10,
                                    background=BackgroundTask(gen.close))
     got = await _collect(request, gen, echo)
     toks = _Tokens(tok)
@@ -252,6 +252,20 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
     finally:
         gw.metrics.open_sse.dec()
         await gen.close()
+
+
+async def _ending_with_error(events: AsyncIterator[dict[str, str] | bytes]) -> AsyncIterator[dict[str, str] | bytes]:
+    """``events``, except that a request failing after the response began (its engine process died, a
+    step failed it) ends with an OpenAI-shaped error event rather than a cut connection; no [DONE] follows."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - whatever it was, the client is told the stream failed
+        yield {"data": json.dumps({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error",
+                                             "param": None, "code": "engine_failed"}})}
+    finally:
+        if hasattr(events, "aclose"):  # a client that left: the inner stream's cleanup runs now, not at GC
+            await events.aclose()
 
 
 routes = [

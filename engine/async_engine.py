@@ -45,6 +45,7 @@ class AsyncEngine(EngineClient):
         self._stats: dict[str, Any] = llm_engine.stats()
         self._snapshot: dict[str, Any] = llm_engine.kv_snapshot()
         self._snapshot_wanted = 0.0
+        self._heartbeat = time.monotonic()  # the last step, or idle tick, of the engine thread
 
     @classmethod
     def from_args(cls, model: str | None = None, **engine_kwargs: Any) -> AsyncEngine:
@@ -78,14 +79,18 @@ class AsyncEngine(EngineClient):
                 self._publish(force=False)
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
+                self._heartbeat = time.monotonic()
                 continue
             try:
                 deltas = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - one bad batch must not take the server down
-                log.exception("engine step failed; failing the requests it held")
+                log.exception("engine step failed outside the model run; failing the requests it held")
                 self._fail_running(exc)
                 continue
+            self._heartbeat = time.monotonic()
             self._deliver(deltas)
+            for request_id, error in self.engine.take_failures():  # requests a step isolated and failed
+                self._send(request_id, error)
             self._publish(force=False)
         # Shutting down: end every open stream.
         for request_id in list(self._streams):
@@ -97,14 +102,19 @@ class AsyncEngine(EngineClient):
                 fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
+            # A caller that stopped waiting cancels its future; resolving it then would raise
+            # InvalidStateError here and end the engine thread.
+            # The command still runs (an abort must happen whoever waits for it); after
+            # set_running_or_notify_cancel() returns True the future can no longer be cancelled.
+            live = fut is not None and fut.set_running_or_notify_cancel()
             try:
                 result = fn()
             except Exception as exc:  # noqa: BLE001 - reported to the caller
-                if fut is not None:
-                    fut.set_exception(exc)
+                if live:
+                    fut.set_exception(exc)  # type: ignore[union-attr]
             else:
-                if fut is not None:
-                    fut.set_result(result)
+                if live:
+                    fut.set_result(result)  # type: ignore[union-attr]
 
     def _fail_running(self, exc: Exception) -> None:
         for group in list(self.engine.scheduler.running):
@@ -214,7 +224,9 @@ class AsyncEngine(EngineClient):
 
     # -- numbers ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+        state = "running" if self.is_running else "stopped"
+        return {**self._stats, "engine_state": state,
+                "last_step_age_s": time.monotonic() - self._heartbeat}
 
     def kv_snapshot(self) -> dict[str, Any]:
         """The latest block-pool picture; asking keeps the engine thread refreshing it."""

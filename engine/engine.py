@@ -6,6 +6,8 @@ and ``engine.async_engine.AsyncEngine`` drives it from a worker thread for the g
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,8 @@ from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from engine.scheduler import QueueFullError, Scheduler
 from kernels import get_backend
+
+log = logging.getLogger("chatsvc.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_MB = 1024
@@ -101,7 +105,11 @@ class LLMEngine:
         kv_reservation: str = "paged",
         max_waiting: int = 1024,
         linear_backend: str = "auto",
+        fault_request_prefix: str | None = None,
     ) -> None:
+        """``fault_request_prefix`` is a test hook: the model run of any step that schedules a request whose
+        id starts with it raises, as a bug or a bad input inside the forward pass would. Only a constructor
+        argument, so no API request can turn it on."""
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
         torch_dtype = resolve_dtype(dtype, device)
@@ -145,6 +153,8 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}
+        self._fault_prefix = fault_request_prefix
+        self._failures: list[tuple[str, BaseException]] = []
 
     @property
     def max_model_len(self) -> int:
@@ -195,11 +205,92 @@ class LLMEngine:
             deltas.extend(self._finish_request(group))
         if out.is_empty:
             return deltas
-        logits, samplers = self.runner.execute(out)
+        # The block plans run once: swapped-out blocks may be reused by this very step's sequences, so
+        # running them again after a failed forward would copy overwritten KV.
+        self.runner.execute_block_plans(out)
+        out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=())
+        try:
+            logits, samplers = self._forward(out)
+        except Exception as exc:  # noqa: BLE001 - isolated below; only the culprits fail
+            log.warning("engine step failed (%s); isolating the request(s) that caused it", exc)
+            logits, samplers, out = self._isolate(out, exc)
         self.scheduler.update(out)
         if logits is not None:
             deltas.extend(self._sample_and_update(logits, samplers))
         return deltas
+
+    def take_failures(self) -> list[tuple[str, BaseException]]:
+        """Requests that a step failed and aborted since the last call: (request id, what its stream raises)."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor | None, tuple[ScheduledSeq, ...]]:
+        if self._fault_prefix is not None:
+            for item in out.scheduled:
+                if item.group.request_id.startswith(self._fault_prefix):
+                    raise RuntimeError(f"injected fault for request {item.group.request_id!r}")
+        return self.runner.execute(out)
+
+    def _isolate(self, out: SchedulerOutput, exc: Exception
+                 ) -> tuple[torch.Tensor | None, tuple[ScheduledSeq, ...], SchedulerOutput]:
+        """Re-run a failed step's requests in halves until each failing part is a single request; those
+        requests are aborted (their blocks freed) and reported through ``take_failures``, the rest of the
+        step completes. Each request's tokens are recomputed at the same positions and slots, so a retry
+        overwrites whatever the failed run left in its KV. A request that raises every time fails alone,
+        once, and never runs again: no livelock. The one exception to "alone": a request that took a
+        culprit's prompt blocks from the prefix cache in this same step (identical prompts arriving
+        together) read KV that was never written, and fails with it."""
+        groups = list(dict.fromkeys(item.group for item in out.scheduled))
+        parts: list[tuple[torch.Tensor | None, tuple[ScheduledSeq, ...], tuple[ScheduledSeq, ...]]] = []
+        culprits: list[tuple[SequenceGroup, BaseException]] = []
+        pending: list[tuple[list[SequenceGroup], BaseException | None]] = [
+            (groups[: len(groups) // 2], None), (groups[len(groups) // 2:], None)] if len(groups) > 1 else [
+            (groups, exc)]
+        while pending:
+            part, known = pending.pop(0)
+            if not part:
+                continue
+            items = tuple(item for item in out.scheduled if item.group in part)
+            error = known
+            if error is None:
+                try:
+                    logits, samplers = self._forward(dataclasses.replace(out, scheduled=items))
+                    parts.append((logits, samplers, items))
+                    continue
+                except Exception as err:  # noqa: BLE001 - narrowed down further
+                    error = err
+            if len(part) > 1:
+                half = len(part) // 2
+                pending[:0] = [(part[:half], None), (part[half:], None)]
+                continue
+            culprits.append((part[0], error))
+        # A culprit's blocks past its computed tokens never got their KV: out of the prefix cache with
+        # them. A request that hit one of them in this same step read that missing KV, so it fails too.
+        unwritten: set[int] = set()
+        for group, error in culprits:
+            log.error("request %s fails the engine step: %s", group.request_id, error)
+            for seq in group.seqs:
+                unwritten.update(self.block_manager.block_table(seq)[seq.num_computed_tokens // self.block_manager.block_size:])
+                self.block_manager.abandon(seq)
+            self.abort_request(group.request_id)
+            self._failures.append((group.request_id, RuntimeError(f"engine error: {error}")))
+        victims = {item.group for _, _, items in parts for item in items
+                   if unwritten.intersection(self.block_manager.block_table(item.seq))}
+        for group in victims:
+            for seq in group.seqs:  # its own new blocks were computed from that missing KV
+                self.block_manager.abandon(seq)
+            self.abort_request(group.request_id)
+            self._failures.append((group.request_id, RuntimeError(
+                "engine error: this request shared prompt blocks with a request that failed the step")))
+        done = tuple(item for _, _, items in parts for item in items if item.group not in victims)
+        kept: list[ScheduledSeq] = []
+        rows: list[torch.Tensor] = []
+        for part_logits, part_samplers, _ in parts:
+            keep = [i for i, s in enumerate(part_samplers) if s.group not in victims]
+            kept += [part_samplers[i] for i in keep]
+            if part_logits is not None and keep:
+                rows.append(part_logits[keep] if len(keep) < len(part_samplers) else part_logits)
+        return (torch.cat(rows) if rows else None), tuple(kept), dataclasses.replace(out, scheduled=done)
 
     def _sample_and_update(self, logits: torch.Tensor, samplers: tuple[ScheduledSeq, ...]) -> list[RequestDelta]:
         rows: list[int] = []

@@ -25,11 +25,29 @@ In the parent, a reader thread blocks on ``recv()`` (which releases the GIL) and
 per-request asyncio queues. When the child exits for any reason the pipe reads EOF: every open
 stream raises ``EngineDeadError`` and ``is_running`` turns False. The child in turn exits when the
 parent's end of the pipe closes (the parent died) or it is told to shut down.
+
+Supervision. A child that exits while the engine is serving (not through ``stop()``) is replaced:
+its open streams and pending calls fail with ``EngineDeadError``, a new child is spawned with the
+same arguments (``state`` is "restarting", ``is_running`` False, while it loads), the prefixes
+pinned through ``pin_prefix`` (key -> token ids, remembered here) are pinned again in it, and only
+then does ``is_running`` turn True. The restarts are bounded: when the child has died
+``MAX_DEATHS`` times within ``DEATH_WINDOW_S`` seconds (a failed restart counts as a death), the
+engine stays down in state "failed" and is never restarted here; the process stays up, not
+ready (``/ready`` answers 503 with the reason) so that an outside supervisor watching readiness
+restarts the whole service, with the logs of the last crash still at hand.
+
+Heartbeat. Every ``StepOutput`` carries the child's clock at sending (one is sent after every
+step), so ``stats()["last_step_age_s"]`` grows only while the child sends nothing: idle, or stuck
+in a step. With requests running, an old heartbeat means a stuck engine (``/ready`` checks it).
+
+A step that raises inside the model run fails only the requests that caused it: ``LLMEngine.step``
+isolates them (see ``LLMEngine._isolate``) and the worker sends their errors with the step's output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes.util
 import glob
@@ -45,6 +63,7 @@ import traceback
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -64,6 +83,8 @@ PROTOCOL_VERSION = 1
 IDLE_POLL_S = 0.5  # how often an idle child checks that its parent still exists
 SNAPSHOT_WINDOW_S = 2.0  # a KV snapshot request keeps snapshots coming for this long
 STOP_TIMEOUT_S = 30.0
+MAX_DEATHS = 3  # this many child deaths within DEATH_WINDOW_S: stop restarting it
+DEATH_WINDOW_S = 60.0
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                  "/usr/local/lib", "/lib/x86_64-linux-gnu", "/lib64")
 
@@ -146,6 +167,7 @@ class StepOutput:
     errors: list[tuple[str, BaseException]] = field(default_factory=list)  # request id, what its stream raises
     replies: list[tuple[int, Any, BaseException | None]] = field(default_factory=list)  # call id, result, error
     adds_seen: int = 0
+    heartbeat: float = 0.0  # time.monotonic() of this output: the child's steps are at most this old
     stats: dict[str, Any] = field(default_factory=dict)
     snapshot: dict[str, Any] | None = None
 
@@ -328,8 +350,11 @@ class _Worker:
         self.changed = True  # the stats moved even when the step produced no delta (a prefill chunk)
         try:
             self._deliver(self.engine.step())
+            for request_id, error in self.engine.take_failures():  # requests a step isolated and failed
+                self.live.discard(request_id)
+                self.out.errors.append((request_id, _portable(error)))
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
-            log.exception("engine step failed; failing the requests it held")
+            log.exception("engine step failed outside the model run; failing the requests it held")
             for group in list(self.engine.scheduler.running):
                 self.engine.abort_request(group.request_id)
                 self.live.discard(group.request_id)
@@ -347,6 +372,7 @@ class _Worker:
             return
         out, self.out, self.changed = self.out, StepOutput(), False
         out.adds_seen = self.adds_seen
+        out.heartbeat = time.monotonic()
         out.stats = self.engine.stats()
         if self.snapshot_now or time.monotonic() < self.snapshot_until:
             out.snapshot = self.engine.kv_snapshot()
@@ -363,49 +389,47 @@ class ProcessEngine(EngineClient):
     Construction blocks (model load, and the tokenizer loads here meanwhile) and raises the child's
     own error when the engine cannot be built, e.g. ValueError for a bad model path. Every method
     other than ``stats`` is meant to be called from the event loop ``start()`` ran in.
+
+    A child that exits while serving is replaced (see the module docstring); ``max_deaths`` deaths
+    within ``death_window_s`` seconds leave the engine in the "failed" state instead.
     """
 
     def __init__(self, model: str | None = None, *, engine_threads: int | None = None,
-                 startup_timeout_s: float = 600.0, **engine_kwargs: Any) -> None:
+                 startup_timeout_s: float = 600.0, max_deaths: int = MAX_DEATHS,
+                 death_window_s: float = DEATH_WINDOW_S, **engine_kwargs: Any) -> None:
         # This process only tokenizes and serves; the cores belong to the engine process.
         torch.set_num_threads(1)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        threads = engine_threads or default_engine_threads()
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, name="chatsvc-engine", daemon=True,
-                                 args=(child_conn, model, engine_kwargs, threads, os.getpid()))
-        with _environ(child_environment(find_tcmalloc())):
-            self._proc.start()
-        child_conn.close()  # so that the child's exit reads as EOF here
+        self._args = (model, engine_kwargs, engine_threads or default_engine_threads())
+        self._startup_timeout_s = startup_timeout_s
+        self._max_deaths = max_deaths
+        self._death_window_s = death_window_s
+        conn, proc = self._spawn()
         try:
             tokenizer, _ = load_tokenizer(model)
-            info = self._wait_ready(startup_timeout_s)
+            info = self._wait_ready(conn, proc, startup_timeout_s)
         except BaseException:
-            self._reap(0.0)
-            self._conn.close()
+            self._reap(proc, 0.0)
+            conn.close()
             raise
-        self.info = info
         tokenizer.eos_token_ids = info.eos_token_ids  # the engine's stop tokens are the ones that count
         self.tokenizer = tokenizer
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self._limits = RequestLimits(info.max_num_seqs, info.vocab_size, info.max_model_len)
-        self._stats: dict[str, Any] = info.stats
-        self._snapshot: dict[str, Any] = info.snapshot
-        self._snapshot_asked = 0.0
         self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._pin_ids = itertools.count()
-        self._adds_sent = 0
-        self._adds_seen = 0
+        self._pins: dict[str, list[int]] = {}  # replayed into a replacement child
+        self._deaths: collections.deque[float] = collections.deque()
+        self.restarts = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
-        self._dead = False
+        self._restart_task: asyncio.Task[None] | None = None
+        self._state = "loaded"  # -> running <-> restarting, -> failed, -> stopped
         self._stopping = False
-        log.info("engine process %d: %s, %d torch threads, %s, OMP_WAIT_POLICY=%s", info.pid, info.model_name,
-                 info.threads, info.allocator, info.omp_wait_policy)
+        self._install(conn, proc, info)
 
     @classmethod
     def from_args(cls, model: str | None = None, **engine_kwargs: Any) -> ProcessEngine:
@@ -415,14 +439,31 @@ class ProcessEngine(EngineClient):
     def pid(self) -> int:
         return self.info.pid
 
-    def _wait_ready(self, timeout_s: float) -> EngineInfo:
-        if not self._conn.poll(timeout_s):
+    @property
+    def state(self) -> str:
+        """loaded (not started yet), running, restarting, failed (gave up restarting) or stopped."""
+        return self._state
+
+    def _spawn(self) -> tuple[Connection, BaseProcess]:
+        model, engine_kwargs, threads = self._args
+        ctx = mp.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        proc = ctx.Process(target=_child_main, name="chatsvc-engine", daemon=True,
+                           args=(child_conn, model, engine_kwargs, threads, os.getpid()))
+        with _environ(child_environment(find_tcmalloc())):
+            proc.start()
+        child_conn.close()  # so that the child's exit reads as EOF here
+        return conn, proc
+
+    @staticmethod
+    def _wait_ready(conn: Connection, proc: BaseProcess, timeout_s: float) -> EngineInfo:
+        if not conn.poll(timeout_s):
             raise TimeoutError(f"engine process did not load the model within {timeout_s:.0f}s")
         try:
-            msg = self._conn.recv()
+            msg = conn.recv()
         except EOFError:
-            self._proc.join(5)
-            raise RuntimeError(f"engine process exited (code {self._proc.exitcode}) before it was ready") from None
+            proc.join(5)
+            raise RuntimeError(f"engine process exited (code {proc.exitcode}) before it was ready") from None
         if isinstance(msg, Failed):
             msg.error.add_note(f"raised in the engine process:\n{msg.traceback}")
             raise msg.error
@@ -430,65 +471,103 @@ class ProcessEngine(EngineClient):
             raise RuntimeError(f"engine process speaks another protocol (got {msg!r:.200})")
         return msg.info
 
+    def _launch(self) -> tuple[Connection, BaseProcess, EngineInfo]:
+        """A new child, ready; blocking (run in a thread)."""
+        conn, proc = self._spawn()
+        try:
+            return conn, proc, self._wait_ready(conn, proc, self._startup_timeout_s)
+        except BaseException:
+            self._reap(proc, 0.0)
+            conn.close()
+            raise
+
+    def _install(self, conn: Connection, proc: BaseProcess, info: EngineInfo) -> None:
+        self._conn, self._proc, self.info = conn, proc, info
+        self._stats: dict[str, Any] = info.stats
+        self._snapshot: dict[str, Any] = info.snapshot
+        self._snapshot_asked = 0.0
+        self._heartbeat = time.monotonic()
+        self._adds_sent = 0
+        self._adds_seen = 0
+        log.info("engine process %d: %s, %d torch threads, %s, OMP_WAIT_POLICY=%s", info.pid, info.model_name,
+                 info.threads, info.allocator, info.omp_wait_policy)
+
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._reader is not None:
+        if self._state != "loaded":
+            if self._state in ("stopped", "failed"):
+                raise EngineDeadError("the engine process has exited")
             return
-        if self._dead or self._stopping:
+        if not self._proc.is_alive():
+            self._state = "failed"
             raise EngineDeadError("the engine process has exited")
         self._loop = asyncio.get_running_loop()
-        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._start_reader()
+        self._state = "running"
+
+    def _start_reader(self) -> None:
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._proc), name="engine-reader",
+                                        daemon=True)
         self._reader.start()
 
     async def stop(self) -> None:
         if self._stopping:
             return
         self._stopping = True
+        self._state = "stopped"
+        if self._restart_task is not None:
+            # Not cancelled: a child being launched in a thread would be left behind. The task sees
+            # _stopping once the launch ends and shuts that child down itself.
+            await asyncio.gather(self._restart_task, return_exceptions=True)
         with contextlib.suppress(OSError, ValueError):
             self._conn.send(Shutdown())
-        if self._reader is None:
-            await asyncio.to_thread(self._reap, STOP_TIMEOUT_S)
+        reader = self._reader
+        if reader is None:
+            await asyncio.to_thread(self._reap, self._proc, STOP_TIMEOUT_S)
         else:
             # The reader reaps the child once the pipe closes; a child stuck in a step is terminated.
-            await asyncio.to_thread(self._reader.join, STOP_TIMEOUT_S)
-            if self._reader.is_alive():
+            await asyncio.to_thread(reader.join, STOP_TIMEOUT_S)
+            if reader.is_alive():
                 self._proc.terminate()
-                await asyncio.to_thread(self._reader.join, STOP_TIMEOUT_S)
+                await asyncio.to_thread(reader.join, STOP_TIMEOUT_S)
         self._conn.close()
 
     @property
     def is_running(self) -> bool:
-        return self._reader is not None and not self._dead and not self._stopping
+        return self._state == "running"
 
-    def _reap(self, timeout_s: float) -> None:
-        """Wait for the child to exit, terminating (then killing) it if it does not; leaves no zombie."""
-        self._proc.join(timeout_s)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
+    @staticmethod
+    def _reap(proc: BaseProcess, timeout_s: float) -> None:
+        """Wait for a child to exit, terminating (then killing) it if it does not; leaves no zombie."""
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
     # -- the reader thread ------------------------------------------------------------------------
-    def _read(self) -> None:
+    def _read(self, conn: Connection, proc: BaseProcess) -> None:
         assert self._loop is not None
         while True:
             try:
-                msg = self._conn.recv()
+                msg = conn.recv()
             except (EOFError, OSError):
                 break
             try:
-                self._loop.call_soon_threadsafe(self._dispatch, msg)
+                self._loop.call_soon_threadsafe(self._dispatch, conn, msg)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 break
-        self._dead = True
-        self._reap(10.0)
+        self._reap(proc, 10.0)
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._on_exit)
+            self._loop.call_soon_threadsafe(self._on_exit, conn, proc)
 
-    def _dispatch(self, out: StepOutput) -> None:
+    def _dispatch(self, conn: Connection, out: StepOutput) -> None:
+        if conn is not self._conn:
+            return  # a late message of a child already replaced
         self._stats = out.stats
+        self._heartbeat = out.heartbeat
         if out.snapshot is not None:
             self._snapshot = out.snapshot
         self._adds_seen = out.adds_seen
@@ -509,10 +588,12 @@ class ProcessEngine(EngineClient):
             else:
                 fut.set_result(result)
 
-    def _on_exit(self) -> None:
-        code = self._proc.exitcode
+    def _on_exit(self, conn: Connection, proc: BaseProcess) -> None:
+        if conn is not self._conn:
+            return
+        code = proc.exitcode
         if not self._stopping:
-            log.error("engine process %d exited with code %s; failing %d open streams", self.pid, code,
+            log.error("engine process %d exited with code %s; failing %d open streams", proc.pid, code,
                       len(self._streams))
         for stream in self._streams.values():
             stream.put_nowait(EngineDeadError(f"engine process exited (code {code})"))
@@ -520,6 +601,45 @@ class ProcessEngine(EngineClient):
             if not fut.done():
                 fut.set_exception(EngineDeadError(f"engine process exited (code {code})"))
         self._calls.clear()
+        if self._stopping or self._state in ("failed", "stopped"):
+            return
+        self._state = "restarting"
+        self._restart_task = asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        """Launch children until one is ready, pins replayed, or the death bound is reached."""
+        while not self._stopping:
+            now = time.monotonic()
+            self._deaths.append(now)
+            while self._deaths and now - self._deaths[0] > self._death_window_s:
+                self._deaths.popleft()
+            if len(self._deaths) >= self._max_deaths:
+                log.critical("engine process died %d times within %.0fs; not restarting it (state failed)",
+                             len(self._deaths), self._death_window_s)
+                self._state = "failed"
+                return
+            try:
+                conn, proc, info = await asyncio.to_thread(self._launch)
+            except Exception:  # noqa: BLE001 - counts as one more death
+                log.exception("engine process could not be restarted")
+                continue
+            self._conn.close()
+            self._install(conn, proc, info)
+            self._start_reader()
+            if self._stopping:
+                return  # stop() sends the new child its Shutdown
+            self.restarts += 1
+            for key, ids in list(self._pins.items()):
+                try:
+                    await self._pin(key, ids)
+                except EngineDeadError:
+                    return  # died again: its _on_exit has started the next restart
+                except Exception:  # noqa: BLE001 - one prefix that cannot be pinned must not keep it down
+                    log.exception("could not pin %r again in the new engine process", key)
+            if conn is self._conn and not self._stopping:
+                self._state = "running"
+                log.info("engine process %d is serving again (%d pins restored)", info.pid, len(self._pins))
+            return
 
     def _send(self, cmd: Command) -> None:
         try:
@@ -537,7 +657,11 @@ class ProcessEngine(EngineClient):
     ) -> AsyncGenerator[RequestDelta, None]:
         """As ``EngineClient.generate``; ``aclose()`` on the stream aborts the request."""
         if not self.is_running:
-            raise EngineDeadError("engine is not running")
+            raise EngineDeadError(f"engine is not running ({self._state})")
+        return self._generate(request_id, sampling_params, prompt, prompt_token_ids)
+
+    def _generate(self, request_id: str, sampling_params: SamplingParams, prompt: str | None,
+                  prompt_token_ids: list[int] | None) -> AsyncGenerator[RequestDelta, None]:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         group = make_request(self._limits, self.tokenizer.encode, request_id, sampling_params, prompt,
@@ -572,9 +696,10 @@ class ProcessEngine(EngineClient):
                 with contextlib.suppress(EngineDeadError):
                     self._send(Abort(request_id))
 
-    async def _call(self, make: Callable[[int], Command]) -> Any:
-        if not self.is_running or self._loop is None:
-            raise EngineDeadError("engine is not running")
+    async def _call(self, make: Callable[[int], Command], internal: bool = False) -> Any:
+        """Send a command and await its reply; ``internal`` calls also run while pins are replayed."""
+        if self._loop is None or not (self.is_running or (internal and self._state == "restarting")):
+            raise EngineDeadError(f"engine is not running ({self._state})")
         call_id = next(self._call_ids)
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._calls[call_id] = fut
@@ -590,22 +715,33 @@ class ProcessEngine(EngineClient):
 
     # -- prefixes ---------------------------------------------------------------------------------
     async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+        if not self.is_running:
+            raise EngineDeadError(f"engine is not running ({self._state})")
         ids = list(prompt_token_ids)
+        pinned = await self._pin(key, ids)
+        self._pins[key] = ids
+        return pinned
+
+    async def _pin(self, key: str, ids: list[int]) -> int:
         if len(ids) >= self.info.block_size:
             params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-            async for _ in self.generate(f"pin-{next(self._pin_ids)}-{key}", params, prompt_token_ids=ids):
+            async for _ in self._generate(f"pin-{next(self._pin_ids)}-{key}", params, None, ids):
                 pass
-        pinned: int = await self._call(lambda call_id: Pin(call_id, key, ids))
+        pinned: int = await self._call(lambda call_id: Pin(call_id, key, ids), internal=True)
         return pinned
 
     def unpin_prefix(self, key: str) -> None:
+        self._pins.pop(key, None)
         if self.is_running:
             with contextlib.suppress(EngineDeadError):  # a dead engine holds no pins
                 self._send(Unpin(key))
 
     # -- numbers ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return dict(self._stats)
+        """The child's latest counters, plus the engine's state, restarts and the age of the child's last
+        step (its heartbeat: it only grows while the child is stuck, or dead)."""
+        return {**self._stats, "engine_state": self._state, "engine_restarts": self.restarts,
+                "last_step_age_s": time.monotonic() - self._heartbeat}
 
     def kv_snapshot(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -191,7 +191,8 @@ async def test_killed_child_fails_open_streams_and_is_reaped() -> None:
     streams = [eng.generate(f"k-{i}", params, prompt=f"Count to a thousand, {i}.") for i in range(2)]
     for s in streams:
         await anext(s)
-    os.kill(eng.pid, signal.SIGKILL)
+    pid = eng.pid
+    os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     for s in streams:
         with pytest.raises(EngineDeadError):
@@ -199,14 +200,15 @@ async def test_killed_child_fails_open_streams_and_is_reaped() -> None:
                 while True:
                     await anext(s)
     assert time.monotonic() - t0 < 5
-    assert not eng.is_running
+    assert not eng.is_running and eng.state == "restarting"  # a new child is loading
     with pytest.raises(EngineDeadError):
         eng.generate("k-after", params, prompt="hi")
     with pytest.raises(EngineDeadError):
         await eng.pin_prefix("x", [1, 2, 3])
-    assert wait_gone(eng.pid, 15)
-    await eng.stop()
-    assert process_state(eng.pid) is None  # reaped, not a zombie
+    assert wait_gone(pid, 15)
+    assert process_state(pid) is None  # reaped, not a zombie
+    await eng.stop()  # waits for the restart under way, then shuts the new child down
+    assert eng.state == "stopped" and process_state(eng.pid) is None
 
 
 @pytest.mark.integration
@@ -291,11 +293,14 @@ def test_gateway_streams_a_chat_completion_from_the_engine_process(gateway_serve
     assert full.choices[0].message.content == text and text
     # A dead engine process: not ready, and requests are refused as unavailable rather than hanging.
     assert httpx.get(gateway_server.url + "/ready").json()["engine"] is True
+    # (tests/test_faults_engine.py covers the restart that follows.)
     os.kill(gateway_server.engine.pid, signal.SIGKILL)  # type: ignore[attr-defined]
     deadline = time.monotonic() + 5
     while httpx.get(gateway_server.url + "/ready").status_code != 503 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert httpx.get(gateway_server.url + "/ready").json()["engine"] is False
+    body = httpx.get(gateway_server.url + "/ready").json()
+    assert body["engine"] is False and body["reason"] == "engine restarting"
     r = httpx.post(gateway_server.url + "/v1/chat/completions", timeout=10,
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    assert r.headers["Retry-After"]
