@@ -185,6 +185,7 @@ def test_auto_backend_is_cpu_and_falls_back_to_torch(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(cpu_kernels, "_build", broken)
     monkeypatch.setattr(cpu_kernels, "_build_failure", {})
+    monkeypatch.setattr(cpu_kernels, "_resolved", {})  # as in a fresh process
     assert kernels.get_backend("auto", "cpu").name == "torch"
     assert kernels.get_backend("auto", "cpu").name == "torch"
     with pytest.raises(RuntimeError, match="no compiler"):
