@@ -6,7 +6,6 @@ see ``AttentionBackend`` and ``ModelOps``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,8 +87,7 @@ def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> Atten
         from kernels import cpu_kernels
 
         cpu_kernels.load_extension()  # build or load now, not inside the first forward pass
-        backend = _from_module("cpu", cpu_kernels, _ops_from_module(cpu_kernels))
-        return dataclasses.replace(backend, paged_attention_prefill=cpu_kernels.paged_attention_prefill_routed)
+        return _from_module("cpu", cpu_kernels, _ops_from_module(cpu_kernels))
     if name == "triton":
         # Imported lazily: importing triton is slow and decorating reads TRITON_INTERPRET at that moment.
         from kernels import triton_kernels

@@ -38,7 +38,6 @@ import torch
 from torch import Tensor
 
 from kernels.reference import copy_blocks, swap_blocks
-from kernels.reference import paged_attention_prefill as reference_prefill
 
 log = logging.getLogger(__name__)
 
@@ -194,27 +193,6 @@ def paged_attention_prefill(
                                             float(scale))
 
 
-def paged_attention_prefill_routed(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_context_len: int | None = None,
-) -> Tensor:
-    """The prefill the engine's "cpu" backend runs: this kernel, except bf16 on a CPU with AMX, where the
-    torch reference (a gathered copy, then sdpa) gets its bf16 matmuls onto the AMX tiles and measured
-    1.1-2.2x faster than the AVX-512 kernel (benchmarks/cpu_attention.py on a 2-core AMX Xeon)."""
-    fn = paged_attention_prefill
-    if query.dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags():
-        fn = reference_prefill
-    return fn(query, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale, max_query_len,
-              max_context_len)
-
-
 def write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Store each token's K/V ``[T, Hkv, D]`` at its slot (``block_id * block_size + offset``; -1 = skip).
     In place; key/value may be strided views (e.g. of the fused QKV projection)."""
@@ -249,7 +227,7 @@ def rotary_embedding(qk: Tensor, cos: Tensor, sin: Tensor) -> None:
     load_extension().rotary_embedding(qk, cos.reshape(-1, half), sin.reshape(-1, half))
 
 
-__all__ = ["ISAS", "copy_blocks", "fused_add_rms_norm", "load_extension", "paged_attention_decode", "paged_attention_prefill_routed",
+__all__ = ["ISAS", "copy_blocks", "fused_add_rms_norm", "load_extension", "paged_attention_decode",
            "paged_attention_prefill", "rotary_embedding", "selected_isa", "silu_and_mul", "supported_isas",
            "swap_blocks", "testable_isas", "write_kv_cache"]
 

@@ -284,19 +284,3 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path, monk
         cpu_kernels._clear_stale_lock(name)
     assert not (tmp_path / "stale" / "lock").exists()
     assert (tmp_path / "fresh" / "lock").exists()
-
-
-@pytest.mark.parametrize(("dtype", "flags", "expect"), [
-    (torch.bfloat16, {"amx_bf16"}, "reference"), (torch.bfloat16, set(), "cpu"), (torch.float32, {"amx_bf16"}, "cpu"),
-])
-def test_backend_prefill_routes_bf16_to_torch_only_on_amx(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                                           flags: set[str], expect: str) -> None:
-    """bf16 prefill goes to torch's sdpa (AMX matmuls) on AMX CPUs, where it measured faster; elsewhere the kernel."""
-    called: list[str] = []
-    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(flags))
-    monkeypatch.setattr(cpu_kernels, "reference_prefill", lambda *a: called.append("reference"))
-    monkeypatch.setattr(cpu_kernels, "paged_attention_prefill", lambda *a: called.append("cpu"))
-    backend = kernels.get_backend("cpu", "cpu")
-    assert backend.paged_attention_prefill is cpu_kernels.paged_attention_prefill_routed
-    backend.paged_attention_prefill(torch.zeros(2, 3, 4, dtype=dtype), None, None, None, None, None, 1.0)
-    assert called == [expect]
