@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.client import EngineClient, EngineDeadError
+from engine.client import EngineClient, EngineDeadError, relay_deltas
 from engine.engine import LLMEngine, RequestDelta
 from engine.request import SamplingParams, SequenceGroup
 from engine.scheduler import QueueFullError
@@ -167,7 +167,7 @@ class AsyncEngine(EngineClient):
         self._streams[request_id] = (stream, sampling_params.n)
         self._pending += 1
         self._submit(lambda: self._add(group))
-        return self._stream(request_id, stream, sampling_params.n)
+        return self._stream(request_id, stream)
 
     def _add(self, group: SequenceGroup) -> None:
         self._pending -= 1
@@ -176,24 +176,15 @@ class AsyncEngine(EngineClient):
         except Exception as exc:  # noqa: BLE001 - e.g. the queue filled up meanwhile
             self._send(group.request_id, exc)
 
-    async def _stream(
-        self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException], n: int
+    def _stream(
+        self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException]
     ) -> AsyncIterator[RequestDelta]:
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.request_finished:
-                    finished = True
-                    return
-        finally:
+        def on_exit(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished:
                 self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
+
+        return relay_deltas(stream, on_exit)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort" and its blocks are freed."""

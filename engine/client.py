@@ -7,7 +7,8 @@ This module imports neither torch nor the tokenizer, so gateway modules can name
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.request import SamplingParams
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from engine.engine import RequestDelta
     from engine.tokenizer import Tokenizer
 
-__all__ = ["EngineClient", "EngineDeadError"]
+__all__ = ["EngineClient", "EngineDeadError", "relay_deltas"]
 
 
 class EngineDeadError(RuntimeError):
@@ -70,3 +71,24 @@ class EngineClient(Protocol):
     def kv_snapshot(self) -> dict[str, Any]:
         """The latest block-pool picture; asking keeps the engine refreshing it for a while."""
         ...
+
+
+async def relay_deltas(
+    stream: asyncio.Queue[RequestDelta | BaseException], on_exit: Callable[[bool], None]
+) -> AsyncGenerator[RequestDelta, None]:
+    """A request's deltas from its queue until the one that finishes it; an exception put in the queue is
+    raised. ``on_exit(finished)`` runs however the iteration ends (an engine aborts an unfinished request
+    there), so both engines' streams share one definition of "finished"."""
+    finished = False
+    try:
+        while True:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            yield item
+            if item.request_finished:
+                finished = True
+                return
+    finally:
+        on_exit(finished)

@@ -68,7 +68,7 @@ from typing import Any
 
 import torch
 
-from engine.client import EngineClient, EngineDeadError
+from engine.client import EngineClient, EngineDeadError, relay_deltas
 from engine.engine import LLMEngine, RequestDelta
 from engine.loader import load_tokenizer
 from engine.request import RequestLimits, SamplingParams, SequenceGroup, make_request
@@ -676,25 +676,16 @@ class ProcessEngine(EngineClient):
         self._streams[request_id] = stream
         return self._stream(request_id, stream)
 
-    async def _stream(
+    def _stream(
         self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException]
     ) -> AsyncGenerator[RequestDelta, None]:
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.request_finished:
-                    finished = True
-                    return
-        finally:
+        def on_exit(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished and self.is_running:
                 with contextlib.suppress(EngineDeadError):
                     self._send(Abort(request_id))
+
+        return relay_deltas(stream, on_exit)
 
     async def _call(self, make: Callable[[int], Command], internal: bool = False) -> Any:
         """Send a command and await its reply; ``internal`` calls also run while pins are replayed."""
