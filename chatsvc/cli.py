@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,10 @@ def serve(args: argparse.Namespace) -> int:
         log.info("sessions in %s", desc)
         if settings.api_keys:
             log.info("API keys required (%d configured)", len(settings.api_keys))
-        app = create_app(engine, Store.from_url(url, settings.session_ttl_s, settings.stream_ttl_s), settings)
+        # Named by host and port: a restart on the same port recovers its predecessor's turns at once.
+        store = Store.from_url(url, settings.session_ttl_s, settings.stream_ttl_s,
+                               instance=f"{socket.gethostname()}:{args.port}")
+        app = create_app(engine, store, settings)
         log.info("listening on http://%s:%d", args.host, args.port)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                 ws_max_size=4 * settings.max_ws_frame_bytes, timeout_graceful_shutdown=5)

@@ -34,6 +34,7 @@ class Generation:
         self.timer = RequestTimer(metrics)
         self.finished_samples = 0
         self.reason_counts: dict[str, int] = {}
+        self.started = False  # the engine admitted the request
 
     async def start(self) -> None:
         try:
@@ -42,15 +43,18 @@ class Generation:
             self._first = await anext(self._it)
         except StopAsyncIteration:
             self._first = None
+            self.started = True
         except ValueError as exc:
             await self.close()
             raise APIError(400, str(exc), code="invalid_request") from exc
         except QueueFullError as exc:
             await self.close()
             raise queue_full_error(self.retry_after_s) from exc
-        except Exception:
+        except BaseException:  # cancelled or failed: the engine request must not outlive this
             await self.close()
             raise
+        else:
+            self.started = True
 
     async def close(self) -> None:
         """Abort the request if it is still running (idempotent)."""

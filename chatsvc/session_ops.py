@@ -39,7 +39,9 @@ async def create_session(gw: Gateway, owner: str, persona: str | None, title: st
 
 
 async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
-    return {**meta.public(), "busy": meta.id in gw.turns.active, "messages": await gw.store.messages(meta.id)}
+    # Busy here, or on another live instance (a dead instance's lock does not count).
+    busy = meta.id in gw.turns.active or await gw.store.is_busy(meta.id)
+    return {**meta.public(), "busy": busy, "messages": await gw.store.messages(meta.id)}
 
 
 async def cancel(gw: Gateway, meta: SessionMeta) -> bool:

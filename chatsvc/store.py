@@ -3,11 +3,22 @@
 Keys (prefix ``chatsvc:``):
 - ``personas``                 hash name -> JSON {system_prompt, description}
 - ``personas:seeded``          set once the default personas were written (so deletions stick)
-- ``session:{id}``             hash: id, owner, persona, system_prompt, title, created, updated, turns
+- ``session:{id}``             hash: id, owner, persona, system_prompt, title, created, updated, turns,
+                               replied (the last turn whose reply is stored: ``turns - 1`` while one runs)
 - ``session:{id}:messages``    list of JSON messages
-- ``session:{id}:lock``        held while a reply is generated (SET NX): the 409 guard
+- ``session:{id}:lock``        held while a reply is generated: the 409 guard. Its value is the owner
+                               token ``instance|nonce|turn``; it has a short TTL its owner refreshes
 - ``owner:{owner}:sessions``   sorted set of session ids by creation time
 - ``stream:{id}:{turn}``       Redis Stream of one reply's events, short TTL
+- ``instance:{name}``          the nonce of the live gateway process called ``name``, short TTL (heartbeat)
+- ``instance:{name}:locks``    session ids whose lock that instance took (found again without SCAN)
+- ``instances``                names of instances that may hold locks
+
+A lock is dead when ``instance:{name}`` no longer holds its nonce: the process stopped heartbeating, or a
+process with the same name (same host and port) started since. A dead lock's turn is recovered: the reply
+so far is read back from its stream and stored with ``finish_reason: "interrupted"``. Every update of
+more than one key is one Lua script, so no reader sees half of it and no check-then-write can race.
+The scripts build some keys from the prefix (stream and instance keys): one Redis, not a cluster.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +35,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 P = "chatsvc:"
+LOCK_TTL_S = 30  # a lock its owner stopped refreshing frees itself this soon
+INSTANCE_TTL_S = 10  # an instance that stopped heartbeating counts as dead this soon
 
 # KEYS: one stream key per event; ARGV: the events' JSON, then the TTL. An XADD that fails comes back
 # as "!<error>" in its place (stream ids never start with "!"), so the others still stand.
@@ -38,6 +51,176 @@ for i, key in ipairs(KEYS) do
 end
 for key in pairs(seen) do redis.pcall('EXPIRE', key, ttl) end
 return out
+"""
+
+# Shared by the turn scripts. KEYS[1..3]: session hash, its messages, its lock.
+# ARGV[1]: key prefix, ARGV[2]: session id, ARGV[3]: now, ARGV[4]: session TTL, ARGV[5]: stream TTL,
+# ARGV[6]: the calling instance's token prefix (instance|nonce): it is alive, heartbeat or not.
+_TURN_LUA_LIB = """
+local P, SID, NOW, SESSION_TTL, STREAM_TTL, ME = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+
+local function owner_alive(lock)
+  local name, nonce = string.match(lock, '^(.*)|([^|]*)|%d+$')
+  if not name then return false, nil end
+  if name .. '|' .. nonce == ME then return true, name end
+  return redis.call('GET', P .. 'instance:' .. name) == nonce, name
+end
+
+local function replied_of(turns)
+  local r = redis.call('HGET', KEYS[1], 'replied')
+  if r then return tonumber(r) end
+  return turns  -- a session written before replies were tracked: nothing pending
+end
+
+local function touch()
+  redis.call('EXPIRE', KEYS[1], SESSION_TTL)
+  redis.call('EXPIRE', KEYS[2], SESSION_TTL)
+end
+
+-- The pending turn (a user message without its reply) gets the reply its stream holds, as interrupted.
+local function recover_pending()
+  local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
+  if replied_of(turns) >= turns then return 0 end
+  local skey = P .. 'stream:' .. SID .. ':' .. turns
+  local parts, tokens = {}, 0
+  for _, entry in ipairs(redis.call('XRANGE', skey, '-', '+')) do
+    local ok, ev = pcall(cjson.decode, entry[2][2])
+    if ok and type(ev) == 'table' and ev.type == 'delta' then
+      parts[#parts + 1] = tostring(ev.text or '')
+      tokens = tokens + (tonumber(ev.tokens) or 0)
+    end
+  end
+  local msg = {role = 'assistant', content = table.concat(parts), created = tonumber(NOW), tokens = tokens,
+               finish_reason = 'interrupted', prompt_tokens = 0, cached_tokens = 0}
+  local encoded = cjson.encode(msg)
+  redis.call('RPUSH', KEYS[2], encoded)
+  redis.call('HSET', KEYS[1], 'replied', turns, 'updated', NOW)
+  touch()
+  -- A client resuming this reply hears that it ended instead of waiting for more.
+  local done = {type = 'done', finish_reason = 'interrupted', message = msg,
+                usage = {prompt_tokens = 0, completion_tokens = tokens, total_tokens = tokens,
+                         prompt_tokens_details = {cached_tokens = 0}}}
+  redis.call('XADD', skey, '*', 'e', cjson.encode(done))
+  redis.call('EXPIRE', skey, STREAM_TTL)
+  return 1
+end
+"""
+
+# ARGV[7]: user message JSON, [8]: title if untitled, [9]: lock TTL ms, [10]: owner index key ('' = none). Returns the new turn, 0 (busy) or -1 (no session).
+_BEGIN_TURN_LUA = _TURN_LUA_LIB + """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local lock = redis.call('GET', KEYS[3])
+if lock then
+  local alive = owner_alive(lock)
+  if alive then return 0 end
+end
+recover_pending()
+local turn = redis.call('HINCRBY', KEYS[1], 'turns', 1)
+redis.call('HSET', KEYS[1], 'replied', turn - 1, 'updated', NOW)
+redis.call('RPUSH', KEYS[2], ARGV[7])
+if redis.call('HGET', KEYS[1], 'title') == '' then redis.call('HSET', KEYS[1], 'title', ARGV[8]) end
+local name = string.match(ME, '^(.*)|[^|]*$')
+redis.call('SET', KEYS[3], ME .. '|' .. turn, 'PX', ARGV[9])
+redis.call('SADD', P .. 'instance:' .. name .. ':locks', SID)
+touch()
+if ARGV[10] ~= '' then redis.call('EXPIRE', ARGV[10], SESSION_TTL) end
+return turn
+"""
+
+# ARGV[7]: owner token, [8]: turn, [9]: assistant message JSON. Stores the reply once (a retry after a
+# lost answer, or a turn recovered meanwhile, stores nothing), then releases the lock if still ours.
+# Returns 1 (stored), 0 (already stored or superseded) or -1 (the session was deleted).
+_END_TURN_LUA = _TURN_LUA_LIB + """
+local token, turn, out = ARGV[7], tonumber(ARGV[8]), -1
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  out = 0
+  local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
+  if turns == turn and replied_of(turns) < turn then
+    redis.call('RPUSH', KEYS[2], ARGV[9])
+    redis.call('HSET', KEYS[1], 'replied', turn, 'updated', NOW)
+    touch()
+    out = 1
+  end
+else
+  redis.call('DEL', KEYS[2])  -- deleted mid-reply: no orphan message list
+end
+if redis.call('GET', KEYS[3]) == token then redis.call('DEL', KEYS[3]) end
+local name = string.match(token, '^(.*)|[^|]*|%d+$')
+redis.call('SREM', P .. 'instance:' .. name .. ':locks', SID)
+return out
+"""
+
+# ARGV[7]: owner token, [8]: turn. Undoes begin_turn if that turn is still the pending one.
+_ROLLBACK_TURN_LUA = _TURN_LUA_LIB + """
+local token, turn = ARGV[7], tonumber(ARGV[8])
+local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
+local out = 0
+if turns == turn and replied_of(turns) < turn then
+  redis.call('RPOP', KEYS[2])
+  redis.call('HSET', KEYS[1], 'turns', turn - 1, 'replied', turn - 1)
+  out = 1
+end
+if redis.call('GET', KEYS[3]) == token then redis.call('DEL', KEYS[3]) end
+local name = string.match(token, '^(.*)|[^|]*|%d+$')
+redis.call('SREM', P .. 'instance:' .. name .. ':locks', SID)
+return out
+"""
+
+# ARGV[7]: owner token, [8]: turn, [9]: lock TTL ms. Extends our lock; takes it again if it expired
+# (a long Redis outage) while the turn is still pending. 1: held, 0: lost to a recovery or a new turn.
+_REFRESH_LOCK_LUA = _TURN_LUA_LIB + """
+local token, turn = ARGV[7], tonumber(ARGV[8])
+local lock = redis.call('GET', KEYS[3])
+if lock == token then redis.call('PEXPIRE', KEYS[3], ARGV[9]) return 1 end
+if lock then return 0 end
+local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
+if turns == turn and replied_of(turns) < turn then
+  redis.call('SET', KEYS[3], token, 'PX', ARGV[9])
+  return 1
+end
+return 0
+"""
+
+# KEYS[4]: the locks set being swept; ARGV[7]: its instance name. Recovers the session's pending turn
+# unless a live instance holds its lock. 1: recovered (or nothing left to do), 0: alive.
+_RECOVER_LUA = _TURN_LUA_LIB + """
+local lock = redis.call('GET', KEYS[3])
+if lock then
+  local alive, name = owner_alive(lock)
+  if alive then
+    if name ~= ARGV[7] then redis.call('SREM', KEYS[4], SID) end
+    return 0
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then recover_pending() end
+if lock then redis.call('DEL', KEYS[3]) end
+redis.call('SREM', KEYS[4], SID)
+return 1
+"""
+
+# KEYS: session, messages, lock, owner index; ARGV: owner, prefix, session id. The reply streams are
+# named by turn number, so they are deleted without scanning the keyspace.
+_DELETE_SESSION_LUA = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
+for t = 1, turns do redis.call('DEL', ARGV[2] .. 'stream:' .. ARGV[3] .. ':' .. t) end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('ZREM', KEYS[4], ARGV[3])
+return 1
+"""
+
+# KEYS: seeded flag, personas hash; ARGV: name, JSON, name, JSON...
+_SEED_PERSONAS_LUA = """
+if not redis.call('SET', KEYS[1], '1', 'NX') then return 0 end
+for i = 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+# KEYS: session, messages, lock; ARGV as for every turn script. 1 when a live instance holds the lock.
+_IS_BUSY_LUA = _TURN_LUA_LIB + """
+local lock = redis.call('GET', KEYS[3])
+if lock and owner_alive(lock) then return 1 end
+return 0
 """
 
 
@@ -57,20 +240,31 @@ class SessionMeta:
                 "updated": self.updated, "turns": self.turns}
 
 
+class SessionGone(LookupError):
+    """The session was deleted (or expired) between loading it and starting a turn."""
+
+
 class Store:
-    def __init__(self, redis: aioredis.Redis, session_ttl_s: int, stream_ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, session_ttl_s: int, stream_ttl_s: int,
+                 instance: str | None = None) -> None:
         # Any: redis-py's annotations cannot express decode_responses=True (everything here is str).
         self.r: Any = redis
         self.session_ttl_s = session_ttl_s
         self.stream_ttl_s = stream_ttl_s
-        self._append_script: Any = None
+        # The instance name: stable across restarts where it can be (host:port), so a restarted gateway
+        # recovers its predecessor's turns at once; the nonce tells this process from that predecessor.
+        self.instance = (instance or secrets.token_hex(6)).replace("|", "_")
+        self.nonce = secrets.token_hex(8)
+        self._me = f"{self.instance}|{self.nonce}"
+        self._scripts: dict[str, Any] = {}
 
     @classmethod
-    def from_url(cls, url: str, session_ttl_s: int = 7 * 24 * 3600, stream_ttl_s: int = 300) -> Store:
+    def from_url(cls, url: str, session_ttl_s: int = 7 * 24 * 3600, stream_ttl_s: int = 300,
+                 instance: str | None = None) -> Store:
         # Short timeouts: an unreachable Redis must fail session routes quickly (503), not hang them.
         client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2,
                                          socket_timeout=10, health_check_interval=15)
-        return cls(client, session_ttl_s, stream_ttl_s)
+        return cls(client, session_ttl_s, stream_ttl_s, instance)
 
     async def close(self) -> None:
         await self.r.aclose()
@@ -81,11 +275,16 @@ class Store:
         except Exception:
             return False
 
+    def _script(self, source: str) -> Any:
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = self.r.register_script(source)
+        return script
+
     # -- personas ---------------------------------------------------------------------------------
     async def seed_personas(self, defaults: dict[str, dict[str, str]]) -> None:
-        if await self.r.set(P + "personas:seeded", "1", nx=True):
-            for name, body in defaults.items():
-                await self.r.hsetnx(P + "personas", name, json.dumps(body))
+        args = [v for name, body in defaults.items() for v in (name, json.dumps(body))]
+        await self._script(_SEED_PERSONAS_LUA)(keys=[P + "personas:seeded", P + "personas"], args=args)
 
     async def list_personas(self) -> dict[str, dict[str, str]]:
         raw = await self.r.hgetall(P + "personas")
@@ -106,105 +305,134 @@ class Store:
     def _skey(self, sid: str) -> str:
         return f"{P}session:{sid}"
 
+    def _turn_keys(self, sid: str) -> list[str]:
+        return [self._skey(sid), self._skey(sid) + ":messages", self._skey(sid) + ":lock"]
+
+    def _turn_args(self, sid: str, *extra: object) -> list[object]:
+        return [P, sid, time.time(), self.session_ttl_s, self.stream_ttl_s, self._me, *extra]
+
     async def create_session(self, owner: str, persona: str, system_prompt: str, title: str = "") -> SessionMeta:
         now = time.time()
         meta = SessionMeta(secrets.token_urlsafe(18), owner, persona, system_prompt, title, now, now, 0)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(self._skey(meta.id), mapping={
                 "id": meta.id, "owner": owner, "persona": persona, "system_prompt": system_prompt,
-                "title": title, "created": now, "updated": now, "turns": 0})
+                "title": title, "created": now, "updated": now, "turns": 0, "replied": 0})
             pipe.expire(self._skey(meta.id), self.session_ttl_s)
             pipe.zadd(f"{P}owner:{owner}:sessions", {meta.id: now})
             pipe.expire(f"{P}owner:{owner}:sessions", self.session_ttl_s)
             await pipe.execute()
         return meta
 
-    async def get_session(self, sid: str, owner: str) -> SessionMeta | None:
-        """The session if it exists and belongs to ``owner`` (a foreign session looks absent)."""
-        raw = await self.r.hgetall(self._skey(sid))
+    @staticmethod
+    def _meta(raw: dict[str, str], owner: str) -> SessionMeta | None:
         if not raw or raw.get("owner") != owner:
             return None
         return SessionMeta(raw["id"], raw["owner"], raw["persona"], raw["system_prompt"], raw.get("title", ""),
                            float(raw["created"]), float(raw["updated"]), int(raw["turns"]))
 
+    async def get_session(self, sid: str, owner: str) -> SessionMeta | None:
+        """The session if it exists and belongs to ``owner`` (a foreign session looks absent)."""
+        return self._meta(await self.r.hgetall(self._skey(sid)), owner)
+
     async def list_sessions(self, owner: str, limit: int = 100) -> list[SessionMeta]:
         key = f"{P}owner:{owner}:sessions"
         ids = await self.r.zrevrange(key, 0, limit - 1)
-        out = []
-        for sid in ids:
-            meta = await self.get_session(sid, owner)
+        async with self.r.pipeline(transaction=False) as pipe:
+            for sid in ids:
+                pipe.hgetall(self._skey(sid))
+            raws = await pipe.execute()
+        out, stale = [], []
+        for sid, raw in zip(ids, raws, strict=True):
+            meta = self._meta(raw, owner)
             if meta is None:
-                await self.r.zrem(key, sid)  # expired: drop the stale index entry
+                stale.append(sid)
             else:
                 out.append(meta)
+        if stale:  # expired sessions leave the index as soon as they are seen
+            await self.r.zrem(key, *stale)
         return out
 
     async def delete_session(self, sid: str, owner: str) -> bool:
-        if await self.get_session(sid, owner) is None:
-            return False
-        keys = [self._skey(sid), self._skey(sid) + ":messages", self._skey(sid) + ":lock"]
-        keys += [k async for k in self.r.scan_iter(match=f"{P}stream:{sid}:*")]
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.delete(*keys)
-            pipe.zrem(f"{P}owner:{owner}:sessions", sid)
-            await pipe.execute()
-        return True
+        keys = [*self._turn_keys(sid), f"{P}owner:{owner}:sessions"]
+        return bool(await self._script(_DELETE_SESSION_LUA)(keys=keys, args=[owner, P, sid]))
 
     async def messages(self, sid: str) -> list[dict[str, Any]]:
         return [json.loads(m) for m in await self.r.lrange(self._skey(sid) + ":messages", 0, -1)]
 
+    def lock_token(self, turn: int) -> str:
+        return f"{self.instance}|{self.nonce}|{turn}"
+
     async def begin_turn(self, sid: str, user_message: dict[str, Any], owner: str | None = None) -> int | None:
-        """Take the session's lock and append the user message; None if a reply is already running.
-
-        The lock makes a turn append exactly once under concurrent requests: the loser gets 409.
+        """Take the session's lock and append the user message, in one step; None if a live instance is
+        already generating a reply. A lock left by a dead instance is taken over after its turn is
+        recovered, so the history never holds two user messages in a row. Raises :class:`SessionGone`.
         """
-        lock = self._skey(sid) + ":lock"
-        if not await self.r.set(lock, "1", nx=True, ex=3600):
-            return None
-        try:
-            async with self.r.pipeline(transaction=True) as pipe:
-                pipe.rpush(self._skey(sid) + ":messages", json.dumps(user_message))
-                pipe.hincrby(self._skey(sid), "turns", 1)
-                pipe.hset(self._skey(sid), "updated", time.time())
-                self._touch(pipe, sid)
-                if owner is not None:  # an active session keeps its owner's index alive too
-                    pipe.expire(f"{P}owner:{owner}:sessions", self.session_ttl_s)
-                res = await pipe.execute()
-            if not await self.r.hget(self._skey(sid), "title"):
-                # An untitled session is named after its first message, for the session list.
-                text = " ".join(str(user_message.get("content", "")).split())
-                await self.r.hset(self._skey(sid), "title", text[:60])
-            return int(res[1])
-        except BaseException:
-            await self.r.delete(lock)
-            raise
+        # An untitled session is named after its first message, for the session list.
+        title = " ".join(str(user_message.get("content", "")).split())[:60]
+        owner_key = f"{P}owner:{owner}:sessions" if owner is not None else ""
+        res = int(await self._script(_BEGIN_TURN_LUA)(
+            keys=self._turn_keys(sid),
+            args=self._turn_args(sid, json.dumps(user_message), title,
+                                 LOCK_TTL_S * 1000, owner_key)))
+        if res < 0:
+            raise SessionGone(sid)
+        return res or None
 
-    async def rollback_turn(self, sid: str) -> None:
+    async def rollback_turn(self, sid: str, turn: int) -> bool:
         """Undo begin_turn when generation could not even start (queue full, invalid request)."""
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.rpop(self._skey(sid) + ":messages")
-            pipe.hincrby(self._skey(sid), "turns", -1)
-            pipe.delete(self._skey(sid) + ":lock")
-            await pipe.execute()
+        return bool(await self._script(_ROLLBACK_TURN_LUA)(
+            keys=self._turn_keys(sid), args=self._turn_args(sid, self.lock_token(turn), turn)))
 
-    async def end_turn(self, sid: str, assistant_message: dict[str, Any]) -> None:
-        # Only while the session still exists: it may have been deleted mid-reply.
-        if await self.r.exists(self._skey(sid)):
-            async with self.r.pipeline(transaction=True) as pipe:
-                pipe.rpush(self._skey(sid) + ":messages", json.dumps(assistant_message))
-                pipe.hset(self._skey(sid), "updated", time.time())
-                self._touch(pipe, sid)
-                pipe.delete(self._skey(sid) + ":lock")
-                await pipe.execute()
-        else:
-            await self.r.delete(self._skey(sid) + ":messages", self._skey(sid) + ":lock")
+    async def end_turn(self, sid: str, turn: int, assistant_message: dict[str, Any]) -> int:
+        """Store the reply of ``turn`` and release its lock. Idempotent, so it may be retried after a
+        lost answer: 1 stored now, 0 stored before (or recovered meanwhile), -1 the session is gone."""
+        return int(await self._script(_END_TURN_LUA)(
+            keys=self._turn_keys(sid),
+            args=self._turn_args(sid, self.lock_token(turn), turn, json.dumps(assistant_message))))
+
+    async def refresh_lock(self, sid: str, turn: int) -> bool:
+        """Extend (or take back) the lock of our running ``turn``; False if it was lost."""
+        return bool(await self._script(_REFRESH_LOCK_LUA)(
+            keys=self._turn_keys(sid), args=self._turn_args(sid, self.lock_token(turn), turn, LOCK_TTL_S * 1000)))
 
     async def is_busy(self, sid: str) -> bool:
-        return bool(await self.r.exists(self._skey(sid) + ":lock"))
+        """A live instance is generating a reply for the session."""
+        return bool(await self._script(_IS_BUSY_LUA)(keys=self._turn_keys(sid), args=self._turn_args(sid)))
 
-    def _touch(self, pipe: Any, sid: str) -> None:
-        for key in (self._skey(sid), self._skey(sid) + ":messages"):
-            pipe.expire(key, self.session_ttl_s)
+    # -- instances --------------------------------------------------------------------------------
+    async def heartbeat(self) -> None:
+        """Say this instance is alive (and, on the first beat, that its predecessor of the same name is not)."""
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.set(f"{P}instance:{self.instance}", self.nonce, ex=INSTANCE_TTL_S)
+            pipe.sadd(P + "instances", self.instance)
+            await pipe.execute()
+
+    async def retire(self) -> None:
+        """At a clean shutdown: this instance holds nothing any more."""
+        key = f"{P}instance:{self.instance}"
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.get(key)
+            pipe.scard(key + ":locks")
+            current, held = await pipe.execute()
+        if current == self.nonce and held == 0:
+            await self.r.delete(key)
+
+    async def recover_dead_turns(self, skip: Collection[str] = ()) -> list[str]:
+        """Recover every turn whose lock a dead instance holds (or held until it expired); the sessions
+        in ``skip`` (this process's running turns) are left alone. Returns the recovered session ids."""
+        recovered: list[str] = []
+        for name in await self.r.smembers(P + "instances"):
+            locks = f"{P}instance:{name}:locks"
+            for sid in await self.r.smembers(locks):
+                if name == self.instance and sid in skip:
+                    continue
+                if await self._script(_RECOVER_LUA)(keys=[*self._turn_keys(sid), locks],
+                                                    args=self._turn_args(sid, name)):
+                    recovered.append(sid)
+            if name != self.instance and not await self.r.exists(f"{P}instance:{name}", locks):
+                await self.r.srem(P + "instances", name)
+        return recovered
 
     # -- reply streams ----------------------------------------------------------------------------
     def stream_key(self, sid: str, turn: int) -> str:
@@ -225,9 +453,7 @@ class Store:
 
         Each stream's TTL is refreshed once per batch, after its events.
         """
-        if self._append_script is None:
-            self._append_script = self.r.register_script(_APPEND_EVENTS_LUA)
-        res = await self._append_script(keys=[key for key, _ in items],
+        res = await self._script(_APPEND_EVENTS_LUA)(keys=[key for key, _ in items],
                                         args=[*(data for _, data in items), self.stream_ttl_s])
         return [ResponseError(eid[1:]) if eid.startswith("!") else eid for eid in res]
 

@@ -22,21 +22,28 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.metrics import Metrics
 from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
-from chatsvc.store import EventWriter, SessionMeta, Store
+from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.wire import delta_event
 from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.turns")
+T = TypeVar("T")
 TERMINAL = ("done", "error")
+HEARTBEAT_S = 3.0  # instance heartbeat and lock refresh period (store.INSTANCE_TTL_S, LOCK_TTL_S: 10 s, 30 s)
+STORE_RETRY_S = 60.0  # how long a finished reply waits in memory for an unreachable Redis
 _STREAM_ID = re.compile(r"\d+-\d+")
 
 
@@ -79,6 +86,7 @@ class ActiveTurn:
     unwritten: int = 0  # events handed to the writer and not yet stored (or failed)
     drained: asyncio.Future[None] | None = None
     write_error: BaseException | None = None
+    stored: int | None = None  # end_turn's answer once the reply is stored
 
     def wake(self) -> None:
         waiters, self.waiters = self.waiters, []
@@ -95,13 +103,36 @@ class TurnRegistry:
         self.settings = settings
         self.active: dict[str, ActiveTurn] = {}
         self.writer = EventWriter(store)
+        self.store_retry_s = STORE_RETRY_S
+        self._keepalive: asyncio.Task[None] | None = None
 
     def request_id(self, session_id: str) -> str | None:
         at = self.active.get(session_id)
         return at.request_id if at else None
 
+    def open(self) -> None:
+        """Start the keep-alive task: instance heartbeat, lock refresh, recovery of dead instances' turns."""
+        if self._keepalive is None:
+            self._keepalive = asyncio.create_task(self._keep_alive(), name="turns-keepalive")
+
+    async def _keep_alive(self) -> None:
+        while True:
+            try:
+                await self.store.heartbeat()
+                for at in list(self.active.values()):
+                    if at.stored is None and not await self.store.refresh_lock(at.session_id, at.turn):
+                        log.warning("turn %s lost its lock (recovered elsewhere?)", at.request_id)
+                for sid in await self.store.recover_dead_turns(skip=set(self.active)):
+                    log.warning("recovered the interrupted reply of session %s", sid)
+            except RedisError as exc:
+                log.warning("Redis unreachable for the turn keep-alive: %r", exc)
+            await asyncio.sleep(HEARTBEAT_S)
+
     async def start(self, meta: SessionMeta, content: str, sampling: SamplingFields) -> ActiveTurn:
-        """Validate, store the user message, admit the request and start generating (one reader attached)."""
+        """Validate, store the user message, admit the request and start generating (one reader attached).
+
+        The turn is registered (busy, cancellable) before the engine sees the request; admission errors
+        (invalid request, full queue) still come back from here, with the user message rolled back."""
         if len(content) > self.settings.max_message_chars:
             raise APIError(413, f"message exceeds {self.settings.max_message_chars} characters",
                            code="message_too_large", param="content")
@@ -118,44 +149,72 @@ class TurnRegistry:
         params = sampling.sampling_params(max_tokens)
         user_msg = {"role": "user", "content": content, "created": time.time(),
                     "tokens": len(tok.encode(content))}
-        turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
+        if meta.id in self.active:
+            raise APIError(409, "a reply is already being generated for this session", code="session_busy")
+        try:
+            turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
+        except SessionGone as exc:
+            raise APIError(404, f"session {meta.id!r} not found", code="session_not_found",
+                           param="session_id") from exc
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona)
         gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s)
-        try:
-            await gen.start()
-        except BaseException:
-            await self.store.rollback_turn(meta.id)
-            raise
+        admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.active[meta.id] = at
-        at.task = asyncio.create_task(self._run(at, gen), name=f"turn-{at.request_id}")
+        at.task = asyncio.create_task(self._run(at, gen, admitted), name=f"turn-{at.request_id}")
+        try:
+            await asyncio.shield(admitted)
+        except asyncio.CancelledError:
+            self.detach(at, abort_now=False)  # the caller left before it could read: the grace applies
+            raise
         return at
 
-    async def _run(self, at: ActiveTurn, gen: Generation) -> None:
-        parts: list[str] = []
-        reason = "abort"
-        last: Any = None
-        at.running = True
-        key = self.store.stream_key(at.session_id, at.turn)
+    async def _admit(self, at: ActiveTurn, gen: Generation, admitted: asyncio.Future[None]) -> bool:
+        """Start the engine request. False: the turn ends here (cancelled before it began, or refused:
+        then it is rolled back and ``admitted`` carries the error to :meth:`start`)."""
         try:
             if at.abort_requested:
                 raise asyncio.CancelledError
-            async for d in gen.deltas():
-                if at.write_error is not None:
-                    raise at.write_error
-                last = d
-                parts.append(d.text)
-                if d.finished:
-                    reason = d.finish_reason or "stop"
-                # Not awaited: deltas of every turn that arrive together share one Redis command.
-                n = len(d.token_ids)
-                self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
-            if at.unwritten:
-                at.drained = asyncio.get_running_loop().create_future()
-                await at.drained
-            if at.write_error is not None:
-                raise at.write_error
+            await gen.start()
+        except asyncio.CancelledError:
+            await gen.close()
+            admitted.set_result(None)
+            return False
+        except BaseException as exc:
+            self.active.pop(at.session_id, None)
+            try:
+                await self.store.rollback_turn(at.session_id, at.turn)
+            except RedisError:
+                log.exception("could not roll back turn %s", at.request_id)
+            admitted.set_exception(exc)
+            return False
+        admitted.set_result(None)
+        return True
+
+    async def _run(self, at: ActiveTurn, gen: Generation, admitted: asyncio.Future[None]) -> None:
+        at.running = True
+        if not await self._admit(at, gen, admitted) and at.session_id not in self.active:
+            return  # refused: rolled back
+        parts: list[str] = []
+        reason = "abort"
+        last: Any = None
+        key = self.store.stream_key(at.session_id, at.turn)
+        try:
+            if gen.started and not at.abort_requested:
+                async for d in gen.deltas():
+                    last = d
+                    parts.append(d.text)
+                    if d.finished:
+                        reason = d.finish_reason or "stop"
+                    # Not awaited: deltas of every turn that arrive together share one Redis command.
+                    # A failed write (Redis away) does not stop the reply: it is kept here and stored at
+                    # the end; readers then miss deltas but get the whole message in the done event.
+                    n = len(d.token_ids)
+                    self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
+                if at.unwritten:
+                    at.drained = asyncio.get_running_loop().create_future()
+                    await at.drained
         except asyncio.CancelledError:
             reason = "abort"
         except Exception:
@@ -169,11 +228,10 @@ class TurnRegistry:
                "tokens": u["completion_tokens"], "finish_reason": reason, "prompt_tokens": u["prompt_tokens"],
                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
         try:
-            await self.store.end_turn(at.session_id, msg)
+            deadline = time.monotonic() + self.store_retry_s
+            at.stored = await self._retrying(at, deadline, lambda: self.store.end_turn(at.session_id, at.turn, msg))
             done = {"type": "done", "finish_reason": reason, "usage": u, "message": msg}
-            stored = asyncio.get_running_loop().create_future()
-            self._emit(at, key, done, json.dumps(done), stored)
-            await stored
+            await self._retrying(at, deadline, lambda: self._write_final(at, key, done))
         except Exception:
             log.exception("could not store the reply of %s", at.request_id)
         finally:
@@ -183,6 +241,25 @@ class TurnRegistry:
             self.active.pop(at.session_id, None)
             if at.grace is not None:
                 at.grace.cancel()
+
+    async def _retrying(self, at: ActiveTurn, deadline: float, op: Callable[[], Awaitable[T]]) -> T:
+        """``op()``, retried with backoff while Redis is unreachable, until ``deadline`` (then it raises).
+        Only idempotent writes are retried: one that timed out may still have been applied."""
+        delay = 0.1
+        while True:
+            try:
+                return await op()
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("Redis unreachable while storing %s (%r); retrying in %.1fs", at.request_id, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    async def _write_final(self, at: ActiveTurn, key: str, done: dict[str, Any]) -> None:
+        stored = asyncio.get_running_loop().create_future()
+        self._emit(at, key, done, json.dumps(done), stored)
+        await stored
 
     def _emit(self, at: ActiveTurn, key: str, ev: dict[str, Any], data: str,
               stored: asyncio.Future[None] | None = None) -> None:
@@ -254,6 +331,13 @@ class TurnRegistry:
         for at in list(self.active.values()):
             self._abort(at)
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive
+            self._keepalive = None
+            with contextlib.suppress(RedisError):
+                await self.store.retire()
 
     async def follow(self, session_id: str, turn: int, after: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Events of one reply after stream id ``after``, until its done/error event (or until it is gone)."""

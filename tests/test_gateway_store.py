@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from gateway_fixtures import redis_proc, redis_url  # noqa: F401
 
-from chatsvc.store import Store
+from chatsvc.store import LOCK_TTL_S, SessionGone, Store
 
 
 @pytest.fixture
@@ -45,10 +45,13 @@ async def test_concurrent_turns_append_once(store: Store) -> None:
     assert sorted(r for r in results if r is not None) == [1]
     assert len(await store.messages(s.id)) == 1
     assert await store.is_busy(s.id)
-    await store.end_turn(s.id, {"role": "assistant", "content": "hi", "finish_reason": "stop"})
+    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "hi", "finish_reason": "stop"}) == 1
+    # A retry of a stored turn (its first answer lost) stores nothing twice.
+    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "hi", "finish_reason": "stop"}) == 0
     assert not await store.is_busy(s.id)
     assert await store.begin_turn(s.id, {"role": "user", "content": "again"}) == 2
-    await store.rollback_turn(s.id)
+    assert await store.rollback_turn(s.id, 2)
+    assert not await store.is_busy(s.id)
     meta = await store.get_session(s.id, "o")
     assert meta is not None and meta.turns == 1
     assert [m["role"] for m in await store.messages(s.id)] == ["user", "assistant"]
@@ -73,9 +76,99 @@ async def test_untitled_session_is_named_after_its_first_message(store: Store) -
     meta = await store.create_session("carol", "p", "sys")
     assert meta.title == ""
     assert await store.begin_turn(meta.id, {"role": "user", "content": "  How do\nsails   work? " + "x" * 80}) == 1
-    await store.end_turn(meta.id, {"role": "assistant", "content": "wind"})
+    await store.end_turn(meta.id, 1, {"role": "assistant", "content": "wind"})
     first = await store.get_session(meta.id, "carol")
     assert first is not None and first.title.startswith("How do sails work? x") and len(first.title) == 60
     assert await store.begin_turn(meta.id, {"role": "user", "content": "second"}) == 2
     again = await store.get_session(meta.id, "carol")
     assert again is not None and again.title == first.title
+
+
+async def test_the_lock_is_an_owner_token_with_a_short_ttl_released_only_by_its_owner(store: Store) -> None:
+    s = await store.create_session("o", "p", "sys")
+    assert await store.begin_turn(s.id, {"role": "user", "content": "hi"}) == 1
+    lock = f"chatsvc:session:{s.id}:lock"
+    assert await store.r.get(lock) == store.lock_token(1)
+    assert 0 < await store.r.pttl(lock) <= LOCK_TTL_S * 1000
+    # Another live instance neither takes nor releases it.
+    other = Store(store.r, 60, 30, instance="other")
+    await other.heartbeat()
+    await store.heartbeat()
+    assert await other.begin_turn(s.id, {"role": "user", "content": "me too"}) is None
+    assert await other.end_turn(s.id, 1, {"role": "assistant", "content": "not mine"}) == 1
+    assert await store.r.get(lock) == store.lock_token(1)  # stored once, but the lock stays its owner's
+    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "mine"}) == 0
+    assert await store.r.get(lock) is None
+    # A lock that expired is taken back while its turn is pending, and refreshed while held.
+    assert await store.begin_turn(s.id, {"role": "user", "content": "two"}) == 2
+    await store.r.delete(lock)
+    assert await store.refresh_lock(s.id, 2) and await store.r.get(lock) == store.lock_token(2)
+    await store.r.pexpire(lock, 500)
+    assert await store.refresh_lock(s.id, 2) and await store.r.pttl(lock) > 1000
+    with pytest.raises(SessionGone):
+        await store.begin_turn("no-such-session", {"role": "user", "content": "x"})
+
+
+async def test_a_dead_instances_turn_is_recovered_from_its_stream(store: Store) -> None:
+    dead = Store(store.r, 60, 30, instance="host:1")
+    await dead.heartbeat()
+    s = await store.create_session("o", "p", "sys")
+    assert await dead.begin_turn(s.id, {"role": "user", "content": "tell me"}) == 1
+    for text in ("Once", " upon"):
+        await dead.append_event(s.id, 1, {"type": "delta", "text": text, "tokens": 1})
+    await store.heartbeat()
+    assert await store.recover_dead_turns() == []  # its instance is alive: left alone
+    assert await store.is_busy(s.id)
+    # The same name restarting (host and port) makes the old nonce dead at once.
+    restarted = Store(store.r, 60, 30, instance="host:1")
+    await restarted.heartbeat()
+    assert not await store.is_busy(s.id)
+    assert await restarted.recover_dead_turns() == [s.id]
+    msgs = await store.messages(s.id)
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    assert msgs[1]["content"] == "Once upon" and msgs[1]["finish_reason"] == "interrupted"
+    assert msgs[1]["tokens"] == 2
+    events = await store.read_events(s.id, 1, "0", block_ms=0)
+    assert events[-1][1]["type"] == "done" and events[-1][1]["finish_reason"] == "interrupted"
+    assert await store.r.get(f"chatsvc:session:{s.id}:lock") is None
+    assert await store.r.smembers("chatsvc:instance:host:1:locks") == set()
+    # The dead instance's late end_turn (it was only paused) stores nothing twice.
+    assert await dead.end_turn(s.id, 1, {"role": "assistant", "content": "Once upon a time"}) == 0
+    assert len(await store.messages(s.id)) == 2
+
+
+async def test_begin_turn_takes_over_a_dead_lock_without_two_user_messages_in_a_row(store: Store) -> None:
+    dead = Store(store.r, 60, 30, instance="gone")  # never heartbeats: dead from the start
+    s = await store.create_session("o", "p", "sys")
+    assert await dead.begin_turn(s.id, {"role": "user", "content": "first"}) == 1
+    await dead.append_event(s.id, 1, {"type": "delta", "text": "half", "tokens": 1})
+    assert await store.begin_turn(s.id, {"role": "user", "content": "second"}) == 2
+    msgs = await store.messages(s.id)
+    assert [(m["role"], m.get("finish_reason")) for m in msgs] == [
+        ("user", None), ("assistant", "interrupted"), ("user", None)]
+    assert msgs[1]["content"] == "half"
+    # A lock that simply expired (no owner left at all) is handled the same way.
+    await store.r.delete(f"chatsvc:session:{s.id}:lock")
+    assert await store.begin_turn(s.id, {"role": "user", "content": "third"}) == 3
+    assert [m["role"] for m in await store.messages(s.id)] == ["user", "assistant", "user", "assistant", "user"]
+
+
+async def test_delete_session_removes_its_streams_without_scanning(store: Store) -> None:
+    s = await store.create_session("o", "p", "sys")
+    for turn in (1, 2):
+        assert await store.begin_turn(s.id, {"role": "user", "content": str(turn)}) == turn
+        await store.append_event(s.id, turn, {"type": "delta", "text": "x"})
+        await store.end_turn(s.id, turn, {"role": "assistant", "content": "x"})
+    await store.append_event("other", 1, {"type": "delta", "text": "kept"})
+    assert await store.delete_session(s.id, "o")
+    left = sorted(await store.r.keys("chatsvc:*"))
+    assert not any(s.id in k for k in left), left
+    assert "chatsvc:stream:other:1" in left
+
+
+async def test_the_owner_index_drops_expired_sessions(store: Store) -> None:
+    s1 = await store.create_session("dora", "p", "sys")
+    s2 = await store.create_session("dora", "p", "sys")
+    await store.r.delete(f"chatsvc:session:{s1.id}")  # as if it expired
+    assert [m.id for m in await store.list_sessions("dora")] == [s2.id]
+    assert await store.r.zrange("chatsvc:owner:dora:sessions", 0, -1) == [s2.id]
