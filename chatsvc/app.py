@@ -108,7 +108,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         gw.engine_ready = True
-        gw.turns.open()  # heartbeat, lock refresh, recovery of turns a crashed instance left
+        await gw.turns.open()  # heartbeat, lock refresh, recovery of turns a crashed instance left
         sync = asyncio.create_task(_sync_personas(gw))
         try:
             yield

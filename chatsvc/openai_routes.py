@@ -256,13 +256,15 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
 
 async def _ending_with_error(events: AsyncIterator[dict[str, str] | bytes]) -> AsyncIterator[dict[str, str] | bytes]:
     """``events``, except that a request failing after the response began (its engine process died, a
-    step failed it) ends with an OpenAI-shaped error event rather than a cut connection; no [DONE] follows."""
+    step failed it) ends with an OpenAI-shaped error event and ``[DONE]`` rather than a cut connection
+    (as vLLM does: clients that wait for [DONE] end cleanly and see the error before it)."""
     try:
         async for event in events:
             yield event
     except Exception as exc:  # noqa: BLE001 - whatever it was, the client is told the stream failed
         yield {"data": json.dumps({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error",
                                              "param": None, "code": "engine_failed"}})}
+        yield {"data": "[DONE]"}
     finally:
         if hasattr(events, "aclose"):  # a client that left: the inner stream's cleanup runs now, not at GC
             await events.aclose()

@@ -110,23 +110,30 @@ class TurnRegistry:
         at = self.active.get(session_id)
         return at.request_id if at else None
 
-    def open(self) -> None:
-        """Start the keep-alive task: instance heartbeat, lock refresh, recovery of dead instances' turns."""
+    async def open(self) -> None:
+        """Announce this instance and recover what dead ones left (before the first request, so a restarted
+        gateway finds its predecessor's sessions free), then keep that up: heartbeat, lock refresh, recovery."""
         if self._keepalive is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(5):  # Redis away at start-up: the loop catches up later
+                    await self._beat()
             self._keepalive = asyncio.create_task(self._keep_alive(), name="turns-keepalive")
 
     async def _keep_alive(self) -> None:
         while True:
-            try:
-                await self.store.heartbeat()
-                for at in list(self.active.values()):
-                    if at.stored is None and not await self.store.refresh_lock(at.session_id, at.turn):
-                        log.warning("turn %s lost its lock (recovered elsewhere?)", at.request_id)
-                for sid in await self.store.recover_dead_turns(skip=set(self.active)):
-                    log.warning("recovered the interrupted reply of session %s", sid)
-            except RedisError as exc:
-                log.warning("Redis unreachable for the turn keep-alive: %r", exc)
             await asyncio.sleep(HEARTBEAT_S)
+            await self._beat()
+
+    async def _beat(self) -> None:
+        try:
+            await self.store.heartbeat()
+            for at in list(self.active.values()):
+                if at.stored is None and not await self.store.refresh_lock(at.session_id, at.turn):
+                    log.warning("turn %s lost its lock (recovered elsewhere?)", at.request_id)
+            for sid in await self.store.recover_dead_turns(skip=set(self.active)):
+                log.warning("recovered the interrupted reply of session %s", sid)
+        except RedisError as exc:
+            log.warning("Redis unreachable for the turn keep-alive: %r", exc)
 
     async def start(self, meta: SessionMeta, content: str, sampling: SamplingFields) -> ActiveTurn:
         """Validate, store the user message, admit the request and start generating (one reader attached).

@@ -22,8 +22,9 @@ from chatsvc.store import SessionMeta
 from chatsvc.wire import delta_frame
 
 log = logging.getLogger("chatsvc.ws")
-# Close codes that mean the client meant to leave: its generation is aborted at once.
-CLEAN_CLOSE = (1000, 1001)
+# Close codes that mean the client meant to leave: its generation is aborted at once. 1001 ("going
+# away") is not one: a browser sends it on reload or navigation, and the page resumes the reply.
+CLEAN_CLOSE = (1000,)
 
 
 class Connection:
@@ -68,6 +69,8 @@ class Connection:
             if after is not None and not isinstance(after, str):
                 raise APIError(400, "after must be an event id string", code="invalid_value", param="after")
             self.meta = await ops.load_session(self.gw, self.meta.id, self.owner)
+            if self._following(self.meta):
+                return  # already following this reply: a second reader would repeat what was sent
             self._follow(await ops.resume(self.gw, self.meta, after))
 
     async def hello(self, frame: dict[str, Any]) -> None:
@@ -84,6 +87,12 @@ class Connection:
         self._stop_pump(abort_now=False)
         self.meta = meta
         await self.send({"type": "session", **await ops.session_view(self.gw, meta)})
+
+    def _following(self, meta: SessionMeta) -> bool:
+        """This socket's pump is reading the session's latest reply right now."""
+        r = self.reader
+        return (r is not None and self.pump is not None and not self.pump.done() and r.session_id == meta.id
+                and r.turn == meta.turns)
 
     def _follow(self, reader: ops.ReplyReader) -> None:
         self._stop_pump(abort_now=False)

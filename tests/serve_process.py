@@ -1,0 +1,109 @@
+"""Real processes for the fault tests: a restartable redis-server that persists every write (so killing
+it loses nothing, as a production Redis with AOF), and ``chatsvc serve`` on a given port and Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class PersistentRedis:
+    """redis-server on a fixed port with ``appendfsync always``: ``kill()`` then ``start()`` keeps the data."""
+
+    def __init__(self, port: int, data_dir: Path) -> None:
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.data_dir = data_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> PersistentRedis:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+             "--appendfsync", "always", "--dir", str(self.data_dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if self.client().ping():
+                    return self
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError("redis-server did not start")
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_connect_timeout=0.5, decode_responses=True)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+class Serve:
+    """``chatsvc serve`` (engine on a thread, one torch thread) as a child process."""
+
+    def __init__(self, model: str, port: int, redis_url: str, *extra: str) -> None:
+        self.args = [sys.executable, "-m", "chatsvc.cli", "serve", "--model", model, "--port", str(port),
+                     "--redis-url", redis_url, "--engine", "thread", "--engine-threads", "1",
+                     "--log-level", "warning", *extra]
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = b""
+
+    def start(self, timeout_s: float = 180) -> Serve:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(self.proc.stdout.read().decode() if self.proc.stdout else "exited")
+            try:
+                if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill9()
+        raise AssertionError("chatsvc serve did not become ready")
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+def sse_json(r: httpx.Response) -> Iterator[dict[str, Any]]:
+    for line in r.iter_lines():
+        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+            yield json.loads(line[5:])
+
+
+def roles(messages: list[dict[str, Any]]) -> list[str]:
+    return [m["role"] for m in messages]
+
+
+def assert_alternating(messages: list[dict[str, Any]]) -> None:
+    """user, assistant, user, assistant...: never two user messages in a row."""
+    assert roles(messages) == ["user", "assistant"] * (len(messages) // 2), roles(messages)

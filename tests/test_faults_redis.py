@@ -1,0 +1,111 @@
+"""Redis going away mid-reply, under a real ``chatsvc serve`` (tiny model): paused for writes longer than
+the client's socket timeout, and killed then restarted. The reply is kept in memory and stored exactly
+once when Redis is back, no lock is left behind, and the OpenAI routes (no Redis) keep serving."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from gateway_fixtures import free_port
+from serve_process import PersistentRedis, Serve, assert_alternating, sse_json
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300),
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
+MAX_TOKENS = 1500  # long enough that the reply is still running when Redis goes away
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, PersistentRedis]]:
+    from engine.model.testing import make_tiny_model_dir
+
+    tmp = tmp_path_factory.mktemp("faults-redis")
+    model = make_tiny_model_dir(tmp / "tiny", max_position_embeddings=4096)
+    (tmp / "redis").mkdir()
+    red = PersistentRedis(free_port(), tmp / "redis").start()
+    srv = Serve(str(model), free_port(), red.url, "--max-model-len", "4096", "--num-kv-blocks", "320")
+    try:
+        srv.start()
+        yield srv, red
+    finally:
+        srv.stop()
+        red.kill()
+
+
+def openai_serves(srv: Serve) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10) as s:
+        lines = [line for line in s.iter_lines() if line.startswith("data:")]
+    assert lines[-1] == "data: [DONE]"
+
+
+def reply_through_outage(srv: Serve, red: PersistentRedis, outage: Callable[[], None]) -> None:
+    """Start a long session reply, run ``outage`` once it streams, then check the reply was stored once."""
+    sid = httpx.post(srv.url + "/v1/sessions", json={}, timeout=10).json()["id"]
+    events: list[dict[str, Any]] = []
+
+    def read() -> None:
+        msg = {"content": "Write a long essay.", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+        with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages", json=msg, timeout=180) as r:
+            assert r.status_code == 200
+            events.extend(sse_json(r))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while len(events) < 3:
+        assert time.monotonic() < deadline and reader.is_alive(), events
+        time.sleep(0.01)
+    outage()
+    assert events[-1]["type"] == "delta", "the reply ended before Redis went away: nothing was tested"
+    reader.join(150)
+    assert not reader.is_alive(), "the reply never ended"
+    done = events[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "length", done
+    assert done["usage"]["completion_tokens"] == MAX_TOKENS  # it ran to the end, not cut by the outage
+    msgs = httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["messages"]
+    assert_alternating(msgs)
+    assert len(msgs) == 2 and msgs[1] == done["message"]  # stored exactly once, the whole reply
+    assert msgs[1]["tokens"] == MAX_TOKENS
+    assert not red.client().exists(f"chatsvc:session:{sid}:lock")
+    view = httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()
+    assert view["busy"] is False
+    with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages", json={"content": "more", "max_tokens": 3},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert list(sse_json(r))[-1]["type"] == "done"
+    assert_alternating(httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["messages"])
+
+
+def test_redis_paused_for_writes_longer_than_the_socket_timeout(stack: tuple[Serve, PersistentRedis]) -> None:
+    srv, red = stack
+
+    def pause() -> None:
+        red.client().execute_command("CLIENT", "PAUSE", 13_000, "WRITE")  # the gateway's timeout is 10 s
+        t0 = time.monotonic()
+        openai_serves(srv)
+        assert time.monotonic() - t0 < 10  # served while Redis was still paused
+
+    reply_through_outage(srv, red, pause)
+
+
+def test_redis_killed_and_restarted_mid_reply(stack: tuple[Serve, PersistentRedis], tmp_path: Path) -> None:
+    srv, red = stack
+
+    def restart() -> None:
+        red.kill()
+        t0 = time.monotonic()
+        openai_serves(srv)
+        assert httpx.get(srv.url + "/ready", timeout=5).json()["redis"] is False
+        time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
+        red.start()
+
+    reply_through_outage(srv, red, restart)
