@@ -20,6 +20,7 @@ from chatsvc.errors import APIError
 from chatsvc.schemas import SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.wire import delta_frame
+from engine.client import EngineDeadError
 
 log = logging.getLogger("chatsvc.ws")
 # Close codes that mean the client meant to leave: its generation is aborted at once. 1001 ("going
@@ -191,6 +192,8 @@ async def _dispatch(conn: Connection, msg: Mapping[str, Any]) -> None:
         await conn.error(exc.code or str(exc.status), exc.message)
     except RedisError as exc:
         await conn.error("redis_unavailable", f"session store unavailable: {type(exc).__name__}")
+    except EngineDeadError:  # restarting: the socket stays open, the client may send the message again
+        await conn.error("engine_unavailable", "the engine is not running; retry shortly")
 
 
 routes = [WebSocketRoute("/v1/ws", ws_endpoint)]

@@ -176,3 +176,22 @@ def test_a_repeated_resume_on_the_same_socket_is_idempotent(server: LiveServer, 
     ids = [f["id"] for f in frames]
     assert len(ids) == len(set(ids)), "an event was sent twice"
     assert "".join(f["text"] for f in frames[:-1]) == done["message"]["content"]
+
+
+@pytest.mark.timeout(60)
+def test_a_ws_message_while_the_engine_restarts_is_an_error_frame(server: LiveServer, engine: FakeEngine) -> None:
+    with connect(server.ws_url + "/v1/ws") as ws:
+        sid = ask(ws, {"type": "hello"})["id"]
+        engine._running = False  # what a restarting engine answers: EngineDeadError
+        try:
+            err = ask(ws, {"type": "message", "content": "hello?"})
+        finally:
+            engine._running = True
+        assert err["type"] == "error" and err["code"] == "engine_unavailable"
+        # The socket is still usable, and the refused turn left nothing behind.
+        ws.send(json.dumps({"type": "message", "content": "again", "max_tokens": 3}))
+        while (frame := recv(ws))["type"] == "delta":
+            pass
+        assert frame["type"] == "done"
+    msgs = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=5).json()["messages"]
+    assert [(m["role"], m["content"]) for m in msgs][0] == ("user", "again") and len(msgs) == 2
