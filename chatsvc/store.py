@@ -118,7 +118,8 @@ recover_pending()
 local turn = redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HSET', KEYS[1], 'replied', turn - 1, 'updated', NOW)
 redis.call('RPUSH', KEYS[2], ARGV[7])
-if redis.call('HGET', KEYS[1], 'title') == '' then redis.call('HSET', KEYS[1], 'title', ARGV[8]) end
+local title = redis.call('HGET', KEYS[1], 'title')
+if not title or title == '' then redis.call('HSET', KEYS[1], 'title', ARGV[8]) end
 local name = string.match(ME, '^(.*)|[^|]*$')
 redis.call('SET', KEYS[3], ME .. '|' .. turn, 'PX', ARGV[9])
 redis.call('SADD', P .. 'instance:' .. name .. ':locks', SID)

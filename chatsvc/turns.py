@@ -134,6 +134,8 @@ class TurnRegistry:
                 log.warning("recovered the interrupted reply of session %s", sid)
         except RedisError as exc:
             log.warning("Redis unreachable for the turn keep-alive: %r", exc)
+        except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad beat
+            log.exception("turn keep-alive failed")
 
     async def start(self, meta: SessionMeta, content: str, sampling: SamplingFields) -> ActiveTurn:
         """Validate, store the user message, admit the request and start generating (one reader attached).

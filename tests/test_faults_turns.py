@@ -195,3 +195,49 @@ def test_a_ws_message_while_the_engine_restarts_is_an_error_frame(server: LiveSe
         assert frame["type"] == "done"
     msgs = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=5).json()["messages"]
     assert [(m["role"], m["content"]) for m in msgs][0] == ("user", "again") and len(msgs) == 2
+
+
+@pytest.mark.timeout(60)
+def test_the_keepalive_recovers_a_dead_instances_turn_and_refreshes_its_own_locks(
+        server: LiveServer, engine: FakeEngine, redis_proc) -> None:  # noqa: F811
+    import asyncio
+
+    import redis as sync_redis
+
+    from chatsvc.store import Store
+    from chatsvc.turns import HEARTBEAT_S
+
+    r = sync_redis.Redis.from_url(redis_proc.url, decode_responses=True)
+    sid = httpx.post(f"{server.url}/v1/sessions", json={}, timeout=5).json()["id"]
+
+    async def ghost_turn() -> None:  # another gateway took a turn and wrote part of its reply
+        ghost = Store.from_url(redis_proc.url, instance="ghost:1")
+        await ghost.heartbeat()
+        assert await ghost.begin_turn(sid, {"role": "user", "content": "hi"}) == 1
+        await ghost.append_event(sid, 1, {"type": "delta", "text": "part", "tokens": 1})
+        await ghost.close()
+
+    asyncio.run(ghost_turn())
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=5).json()["busy"] is True
+    r.delete("chatsvc:instance:ghost:1")  # its heartbeat key expired: it is dead
+    assert wait_for(lambda: not httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=5).json()["busy"], 1.0)
+    assert wait_for(lambda: len(httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=5).json()["messages"]) == 2,
+                    HEARTBEAT_S + 3)
+    msgs = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=5).json()["messages"]
+    assert (msgs[1]["content"], msgs[1]["finish_reason"]) == ("part", "interrupted")
+    assert r.get(f"chatsvc:session:{sid}:lock") is None
+
+    # This instance's own running turn keeps its lock alive.
+    engine.step_s = 0.05
+    with connect(server.ws_url + "/v1/ws") as ws:
+        ask(ws, {"type": "hello", "session_id": sid})
+        ws.send(json.dumps({"type": "message", "content": "long", "max_tokens": 200, "ignore_eos": True}))
+        assert recv(ws)["type"] == "delta"
+        lock = f"chatsvc:session:{sid}:lock"
+        r.pexpire(lock, 1500)
+        time.sleep(HEARTBEAT_S + 1)
+        assert r.pttl(lock) > 10_000
+        ws.send(json.dumps({"type": "cancel"}))
+        while recv(ws)["type"] == "delta":
+            pass
+    assert r.get(lock) is None
