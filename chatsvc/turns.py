@@ -4,9 +4,15 @@ Clients (SSE or WebSocket) only *read* that stream, from the start or from the l
 saw, so a reconnecting client gets the rest of the same reply without a second generation.
 
 Abort policy: a turn counts its readers. An explicit cancel aborts at once, and so does a clean
-WebSocket close by the last reader. When the last reader vanishes otherwise (SSE disconnect, a
-dropped socket), the turn keeps generating for ``abort_grace_s`` and is aborted unless a client
-resumes it within that time. Either way the assistant message is stored with the text so far.
+(1000) WebSocket close by the last reader. When the last reader vanishes otherwise (SSE disconnect,
+a page reload's 1001, a dropped socket), the turn keeps generating for ``abort_grace_s`` and is
+aborted unless a client resumes it within that time. Either way the assistant message is stored
+with the text so far.
+
+Crash safety (see :mod:`chatsvc.store`): a turn is registered before the engine sees its request, its
+lock is refreshed by the registry's keep-alive task, which also recovers the turns of dead instances.
+If Redis is unreachable, generation goes on and the finished reply waits in memory while
+``end_turn`` (idempotent) is retried for up to ``STORE_RETRY_S``.
 
 Events are written through the registry's :class:`EventWriter` (one Redis command for the deltas of
 all turns that arrive together). A reader in this process of a turn running here follows the turn's
@@ -85,7 +91,7 @@ class ActiveTurn:
     closed: bool = False  # no more events will be logged
     unwritten: int = 0  # events handed to the writer and not yet stored (or failed)
     drained: asyncio.Future[None] | None = None
-    write_error: BaseException | None = None
+    write_error: BaseException | None = None  # the first failed event write (logged once)
     stored: int | None = None  # end_turn's answer once the reply is stored
 
     def wake(self) -> None:
@@ -158,8 +164,6 @@ class TurnRegistry:
         params = sampling.sampling_params(max_tokens)
         user_msg = {"role": "user", "content": content, "created": time.time(),
                     "tokens": len(tok.encode(content))}
-        if meta.id in self.active:
-            raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         try:
             turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
         except SessionGone as exc:
@@ -281,6 +285,8 @@ class TurnRegistry:
                 at.wake()
             elif at.write_error is None:
                 at.write_error = exc
+                log.warning("events of %s are not reaching Redis (%r): the reply is kept for its done event",
+                            at.request_id, exc)
             if at.unwritten == 0 and at.drained is not None and not at.drained.done():
                 at.drained.set_result(None)
             if stored is not None and not stored.done():
