@@ -382,6 +382,23 @@ def test_reconnect_resumes_the_reply_without_duplicates(open_tab: Callable[..., 
     assert page.locator("#banner").is_hidden()
 
 
+def test_reload_mid_reply_resumes_the_same_reply(open_tab: Callable[..., Tab], server: Server) -> None:
+    page = open_tab().page
+    sid = start_chat(page, "tutor", max_tokens=96)
+    send(page, "Explain what a prime number is.")
+    wait_reply_started(page)
+    with engine_paused(server):  # the reply is mid-way while the page reloads (the socket closes with 1001)
+        page.reload()
+        page.wait_for_selector(".msg.assistant")
+        time.sleep(0.5)
+    finish = wait_reply_done(page)
+    assert finish in ("stop", "length"), f"the reload aborted the reply ({finish})"
+    stored = stored_messages(server, sid)
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+    assert page.locator(".msg.assistant").count() == 1
+    assert last_reply(page).get_attribute("data-text") == stored[1]["content"]  # nothing shown twice
+
+
 def test_memory_view_shows_a_persona_prompt_shared_by_two_sessions(
         open_tab: Callable[..., Tab], server: Server) -> None:
     first = open_tab().page
