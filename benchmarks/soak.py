@@ -192,6 +192,7 @@ class Client:
             self.stats.status(r.status_code, "sse")
             if r.status_code != 200:
                 await r.aread()
+                await asyncio.sleep(0.5)  # refused (busy, or a fault window): do not spin
                 return
             self.accept(msg["content"])
             deltas = 0
