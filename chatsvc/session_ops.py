@@ -13,7 +13,7 @@ from typing import Any
 from chatsvc.context import Gateway
 from chatsvc.errors import APIError
 from chatsvc.personas import DEFAULT_PERSONA
-from chatsvc.schemas import SessionMessage
+from chatsvc.schemas import SessionMessage, check_event_id, check_session_id
 from chatsvc.store import SessionMeta
 from chatsvc.turns import ActiveTurn, parse_event_id
 
@@ -23,6 +23,7 @@ def session_not_found(sid: str) -> APIError:
 
 
 async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
+    check_session_id(sid)
     meta = await gw.store.get_session(sid, owner)
     if meta is None:
         raise session_not_found(sid)
@@ -76,6 +77,7 @@ async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> R
 
 async def resume(gw: Gateway, meta: SessionMeta, last_event_id: str | None) -> ReplyReader:
     """(Re)attach to a reply after the last event id seen (``"turn:stream-id"``; none: the latest turn)."""
+    check_event_id(last_event_id)
     turn, after = parse_event_id(last_event_id)
     turn = meta.turns if turn is None else turn
     at = gw.turns.attach(meta.id, turn)

@@ -15,7 +15,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from chatsvc import session_ops as ops
 from chatsvc.auth import bearer, origin_allowed, ws_key_from_protocols
-from chatsvc.context import Gateway, gateway, parse
+from chatsvc.context import Gateway, decode_json, gateway, parse
 from chatsvc.errors import APIError
 from chatsvc.schemas import SessionMessage
 from chatsvc.store import SessionMeta
@@ -169,19 +169,17 @@ async def _dispatch(conn: Connection, msg: Mapping[str, Any]) -> None:
         await conn.error("frame_too_large", f"frames are limited to {limit} bytes")
         return
     try:
-        frame = json.loads(text)
-    except json.JSONDecodeError as exc:
-        await conn.error("invalid_json", f"malformed JSON: {exc}")
-        return
-    if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
-        await conn.error("invalid_frame", "a frame is a JSON object with a string 'type'")
-        return
-    try:
+        frame = decode_json(text)
+        if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+            raise APIError(400, "a frame is a JSON object with a string 'type'", code="invalid_frame")
         await conn.handle(frame)
     except APIError as exc:
         await conn.error(exc.code or str(exc.status), exc.message)
     except RedisError as exc:
         await conn.error("redis_unavailable", f"session store unavailable: {type(exc).__name__}")
+    except Exception:  # a bug must cost the client one frame, not its socket
+        log.exception("error handling a WebSocket frame")
+        await conn.error("internal_error", "internal server error")
 
 
 routes = [WebSocketRoute("/v1/ws", ws_endpoint)]
