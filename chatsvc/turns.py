@@ -28,6 +28,7 @@ from typing import Any
 
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
+from chatsvc.history import fit_conversation
 from chatsvc.metrics import Metrics
 from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
@@ -65,6 +66,7 @@ class ActiveTurn:
     turn: int
     request_id: str
     persona: str
+    truncated_turns: int = 0  # oldest turns left out of the prompt to fit the context
     readers: int = 1
     task: asyncio.Task[None] | None = None
     grace: asyncio.Task[None] | None = None
@@ -109,10 +111,9 @@ class TurnRegistry:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         history = await self.store.messages(meta.id)
         tok = self.engine.tokenizer
-        conversation = [{"role": "system", "content": meta.system_prompt}]
-        conversation += [{"role": m["role"], "content": m["content"]} for m in history]
-        conversation.append({"role": "user", "content": content})
-        prompt_ids = list(tok.apply_chat_template(conversation, add_generation_prompt=True))
+        max_len = self.engine.max_model_len
+        room = sampling.max_tokens or min(self.settings.default_session_max_tokens, max_len // 4)
+        prompt_ids, truncated = fit_conversation(tok, meta.system_prompt, history, content, max_len, room)
         max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
                                         self.settings.default_session_max_tokens)
         params = sampling.sampling_params(max_tokens)
@@ -121,7 +122,7 @@ class TurnRegistry:
         turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
-        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona)
+        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona, truncated_turns=truncated)
         gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s)
         try:
             await gen.start()
@@ -170,7 +171,9 @@ class TurnRegistry:
                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
         try:
             await self.store.end_turn(at.session_id, msg)
-            done = {"type": "done", "finish_reason": reason, "usage": u, "message": msg}
+            done: dict[str, Any] = {"type": "done", "finish_reason": reason, "usage": u, "message": msg}
+            if at.truncated_turns:
+                done["truncated_turns"] = at.truncated_turns
             stored = asyncio.get_running_loop().create_future()
             self._emit(at, key, done, json.dumps(done), stored)
             await stored

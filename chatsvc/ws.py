@@ -97,7 +97,8 @@ class Connection:
                     await self.send_text(delta_frame(ev["text"], eid))
                 elif ev["type"] == "done":
                     await self.send({"type": "done", "finish_reason": ev["finish_reason"], "usage": ev["usage"],
-                                     "id": eid, "message": ev.get("message")})
+                                     "id": eid, "message": ev.get("message"),
+                                     **({"truncated_turns": ev["truncated_turns"]} if "truncated_turns" in ev else {})})
                 else:
                     await self.send({"type": "error", "code": ev.get("code", "error"),
                                      "message": ev.get("message", ""), "id": eid})

@@ -15,6 +15,8 @@ from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa:
 from websockets.sync.client import connect
 
 from chatsvc.app import create_app
+from chatsvc.history import fit_conversation
+from chatsvc.personas import DEFAULT_PERSONAS, system_prefix_ids
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 
@@ -31,7 +33,7 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
 
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     engine = AsyncEngine.from_args(model=str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))),
-                                   num_kv_blocks=64, max_model_len=256)
+                                   num_kv_blocks=64, max_model_len=512)
     app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), Settings(api_keys=(KEY,)))
     with LiveServer(app) as live:
         deadline = time.monotonic() + 30
@@ -117,3 +119,38 @@ def test_forged_system_turn_over_http_counts_as_text(server: LiveServer) -> None
     expected = len(tok.apply_chat_template([{"role": "user", "content": "x"}])) - len(tok.encode("x")) + len(
         tok.hf.encode(FORGED, add_special_tokens=False, split_special_tokens=True))
     assert r.json()["usage"]["prompt_tokens"] == expected
+
+
+def test_history_outgrowing_the_context_drops_oldest_turns(server: LiveServer) -> None:
+    """A session whose history no longer fits is not bricked: the oldest turns leave the prompt (the system
+    prompt stays), the reply says how many, and the stored history keeps every message."""
+    tok = server.engine.tokenizer  # type: ignore[attr-defined]
+    sid = httpx.post(server.url + "/v1/sessions", json={}, headers=A).json()["id"]
+    words = "hello world " * 8
+    dones = []
+    for i in range(8):
+        r = httpx.post(f"{server.url}/v1/sessions/{sid}/messages", headers=A, timeout=60,
+                       json={"content": f"turn {i} {words}", "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[len("data: "):]) for line in r.text.splitlines() if line.startswith("data: ")]
+        dones.append(next(e for e in events if e["type"] == "done"))
+    assert all(d["finish_reason"] == "length" for d in dones)
+    assert "truncated_turns" not in dones[0] and dones[-1]["truncated_turns"] >= 1
+    last = dones[-1]
+    assert last["usage"]["prompt_tokens"] + 8 <= server.engine.max_model_len  # type: ignore[attr-defined]
+    view = httpx.get(f"{server.url}/v1/sessions/{sid}", headers=A).json()
+    assert len(view["messages"]) == 16
+    # The prompt the gateway built still opens with the session's system prompt, and ends with the new message.
+    system = DEFAULT_PERSONAS["assistant"]["system_prompt"]
+    history = view["messages"][:-2]
+    ids, dropped = fit_conversation(tok, system, history, "x", server.engine.max_model_len, 8)  # type: ignore[attr-defined]
+    prefix = system_prefix_ids(tok, system)
+    assert dropped >= 1 and ids[:len(prefix)] == prefix and len(ids) + 8 <= 512
+    assert tok.decode(ids).endswith("\nuser\nx\nassistant\n")
+    with connect(server.ws_url + "/v1/ws", additional_headers=A) as ws:
+        ws.send(json.dumps({"type": "hello", "session_id": sid}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"
+        ws.send(json.dumps({"type": "message", "content": "again " + words, "max_tokens": 4}))
+        while (frame := json.loads(ws.recv(timeout=60)))["type"] == "delta":
+            pass
+        assert frame["type"] == "done" and frame["truncated_turns"] >= 1
