@@ -48,6 +48,11 @@ def gateway(conn: HTTPConnection) -> Gateway:
 
 async def read_json(request: Request, max_bytes: int) -> Any:
     """The JSON body, read incrementally so an oversized body is refused without buffering it all."""
+    # A browser may send a cross-site "simple" POST (text/plain, form types) without a preflight; JSON
+    # routes that insist on application/json cannot be reached that way.
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise APIError(415, "send the body as Content-Type: application/json", code="unsupported_media_type")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
         raise APIError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large")

@@ -14,7 +14,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from chatsvc import session_ops as ops
-from chatsvc.auth import bearer, origin_allowed, ws_key_from_protocols
+from chatsvc.auth import bearer, host_allowed, origin_allowed, ws_key_from_protocols
 from chatsvc.context import Gateway, decode_json, gateway, parse
 from chatsvc.errors import APIError
 from chatsvc.schemas import SessionMessage
@@ -129,9 +129,10 @@ class Connection:
 
 async def ws_endpoint(websocket: WebSocket) -> None:
     gw = gateway(websocket)
-    if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
-                          gw.settings.allowed_origins):
-        await websocket.close(code=1008, reason="origin not allowed")  # before accept: HTTP 403
+    host = websocket.headers.get("host")
+    if not host_allowed(host, gw.settings.allowed_hosts) or not origin_allowed(
+            websocket.headers.get("origin"), host, gw.settings.allowed_origins):
+        await websocket.close(code=1008, reason="host or origin not allowed")  # before accept: HTTP 403
         return
     key, subprotocol = ws_key_from_protocols(websocket.headers)
     key = key or bearer(websocket.headers)

@@ -377,7 +377,7 @@ def test_ws_bad_origin_is_refused(server: LiveServer) -> None:
     with pytest.raises(websockets.exceptions.InvalidStatus) as e:
         sync_connect(server.ws_url + "/v1/ws", origin="https://evil.example")  # type: ignore[arg-type]
     assert e.value.response.status_code == 403
-    with sync_connect(server.ws_url + "/v1/ws", origin="http://localhost:3000") as ws:  # type: ignore[arg-type]
+    with sync_connect(server.ws_url + "/v1/ws", origin=server.url) as ws:  # type: ignore[arg-type]
         ws.send(json.dumps({"type": "hello"}))
         assert json.loads(ws.recv())["type"] == "session"
 
