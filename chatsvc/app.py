@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 import chatsvc
-from chatsvc import kv_routes, openai_routes, sessions, ws
+from chatsvc import kv_routes, openai_routes, persona_routes, sessions, ws
 from chatsvc.auth import Auth, bearer
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
@@ -123,7 +123,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     settings = settings or Settings()
     m = Metrics(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys), metrics=m,
-                 personas=Personas(engine, store), turns=TurnRegistry(engine, store, m, settings))
+                 personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -149,6 +149,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         Route("/metrics", metrics, methods=["GET"]),
         *kv_routes.routes,
         *openai_routes.routes,
+        *persona_routes.routes,
         *sessions.routes,
         *ws.routes,
     ]

@@ -32,9 +32,10 @@ async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
 
 async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None) -> SessionMeta:
     name = persona or DEFAULT_PERSONA
-    body = await gw.store.get_persona(name)
-    if body is None:
+    found = await gw.personas.get(owner, name)
+    if found is None:
         raise APIError(404, f"persona {name!r} not found", code="persona_not_found", param="persona")
+    body = found[1]
     # The prompt is copied so later edits of the persona do not rewrite existing conversations.
     return await gw.store.create_session(owner, name, body["system_prompt"], title or "")
 

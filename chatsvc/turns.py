@@ -67,6 +67,7 @@ class ActiveTurn:
     request_id: str
     persona: str
     truncated_turns: int = 0  # oldest turns left out of the prompt to fit the context
+    owner: str = ""  # whose session: /v1/kv names only the caller's own requests
     readers: int = 1
     task: asyncio.Task[None] | None = None
     grace: asyncio.Task[None] | None = None
@@ -122,7 +123,8 @@ class TurnRegistry:
         turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
-        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona, truncated_turns=truncated)
+        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona, truncated_turns=truncated,
+                        owner=meta.owner)
         gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s)
         try:
             await gen.start()

@@ -35,7 +35,7 @@ def tiny_engine(tmp: Path, **kw: Any) -> Any:
 
 
 SETTINGS = Settings(api_keys=(KEY_A, KEY_B), max_body_bytes=12_000, max_message_chars=2000, max_ws_frame_bytes=1024,
-                    max_n=4, abort_grace_s=0.2)
+                    max_n=4, abort_grace_s=0.2, max_pinned_fraction=1.0)  # the tiny tokenizer's personas are long
 
 
 @pytest.fixture(scope="module")
@@ -296,6 +296,14 @@ def replied_sid(server: LiveServer) -> str:
     r = httpx.post(f"{server.url}/v1/sessions/{sid}/messages", json={"content": "hi", "max_tokens": 3}, headers=A,
                    timeout=60)
     assert r.status_code == 200 and "done" in r.text
+    # The engine frees the reply's blocks a moment after its last event: settle before tables measure them.
+    deadline, last = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        stats = server.engine.stats()  # type: ignore[attr-defined]
+        if stats["requests_running"] == 0 and stats["kv_blocks_free"] == last:
+            break
+        last = stats["kv_blocks_free"]
+        time.sleep(0.3)
     return sid
 
 

@@ -34,7 +34,7 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     engine = AsyncEngine.from_args(model=str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))),
                                    num_kv_blocks=64, max_model_len=512)
-    app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), Settings(api_keys=(KEY,)))
+    app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), Settings(api_keys=(KEY,), max_pinned_fraction=1.0))
     with LiveServer(app) as live:
         deadline = time.monotonic() + 30
         while len(app.state.gateway.personas.pinned) < 3 and time.monotonic() < deadline:
