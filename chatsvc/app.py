@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
 from chatsvc.guard import RequestGuard
 from chatsvc.metrics import Metrics
+from chatsvc.offload import Offload
 from chatsvc.personas import Personas
 from chatsvc.settings import Settings
 from chatsvc.store import P, Store
@@ -122,12 +124,18 @@ async def _sync_personas(gw: Gateway) -> None:
 def create_app(engine: EngineClient, store: Store, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     m = Metrics(engine)
-    gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys), metrics=m,
-                 personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings))
+    gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
+                 metrics=m, personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings),
+                 offload=Offload(engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        await gw.offload.warm()
+        # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the process: frozen
+        # out of the cyclic GC, a full collection walks only request objects, not a pause of tenths of a
+        # second (holding the GIL) whenever a large request allocates enough to trigger one.
+        gc.freeze()
         gw.engine_ready = True
         if gw.auth.enabled:
             # Keyed requests wait for the secret (503 meanwhile); Redis is usually up, so try once first.
@@ -142,6 +150,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
             await gw.turns.shutdown()
             await engine.stop()
             await store.close()
+            gw.offload.close()
 
     routes: list[BaseRoute] = [
         Route("/health", health, methods=["GET"]),

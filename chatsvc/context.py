@@ -14,6 +14,7 @@ from starlette.requests import HTTPConnection, Request
 from chatsvc.auth import Auth
 from chatsvc.errors import APIError, from_validation_error
 from chatsvc.metrics import Metrics
+from chatsvc.offload import Offload
 from chatsvc.personas import Personas
 from chatsvc.settings import Settings
 from chatsvc.store import Store
@@ -34,6 +35,7 @@ class Gateway:
     metrics: Metrics
     personas: Personas
     turns: TurnRegistry
+    offload: Offload
     engine_ready: bool = False
 
     def check_model(self, model: str | None) -> str:

@@ -52,3 +52,5 @@ class Settings:
     max_pinned_fraction: float = 0.25
     # When set, /metrics needs it as a bearer token.
     metrics_key: str | None = None
+    # A non-streamed reply with logprobs is built whole: n x max_tokens x (1 + top) entries at most.
+    max_logprob_entries: int = 200_000
