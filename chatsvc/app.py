@@ -30,6 +30,7 @@ from chatsvc.guard import RequestGuard
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.personas import Personas
+from chatsvc.quotas import Quotas
 from chatsvc.settings import Settings
 from chatsvc.store import P, Store
 from chatsvc.turns import TurnRegistry
@@ -126,7 +127,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     m = Metrics(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
                  metrics=m, personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings),
-                 offload=Offload(engine))
+                 offload=Offload(engine), quotas=Quotas(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -16,6 +16,7 @@ from chatsvc.errors import APIError, from_validation_error
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.personas import Personas
+from chatsvc.quotas import Quotas
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 from engine.client import EngineClient
@@ -36,7 +37,12 @@ class Gateway:
     personas: Personas
     turns: TurnRegistry
     offload: Offload
+    quotas: Quotas
     engine_ready: bool = False
+
+    def session_turns(self, owner: str) -> int:
+        """Replies running in ``owner``'s sessions (their generations, for the concurrency quota)."""
+        return sum(1 for at in self.turns.active.values() if at.owner == owner)
 
     def check_model(self, model: str | None) -> str:
         if model is None or model == self.engine.model_name:

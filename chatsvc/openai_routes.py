@@ -72,6 +72,23 @@ class _Tokens:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+async def _start(gw: Gateway, gen: Generation, owner: str) -> None:
+    """Admit the generation under the caller's concurrency quota (429 past it)."""
+    gw.quotas.start_stream(owner, gw.session_turns(owner))
+    try:
+        await gen.start()
+    except BaseException:
+        gw.quotas.end_stream(owner)
+        raise
+
+
+async def _finish(gw: Gateway, gen: Generation, owner: str) -> None:
+    try:
+        await gen.close()
+    finally:
+        gw.quotas.end_stream(owner)
+
+
 def _check_logprob_volume(gw: Gateway, n: int, max_tokens: int, top: int | None, stream: bool) -> None:
     """A non-streamed reply with logprobs is built and sent whole: cap its size up front."""
     if stream or top is None:
@@ -91,7 +108,7 @@ async def _json_response(gw: Gateway, build: Any) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     gw = gateway(request)
-    gw.auth.from_http(request.headers)
+    owner = gw.auth.from_http(request.headers)
     req = parse(ChatCompletionRequest, await read_json(request, gw.settings.max_body_bytes))
     model = gw.check_model(req.model)
     _check_n(gw, req.n)
@@ -103,13 +120,16 @@ async def chat_completions(request: Request) -> Response:
     rid = "chatcmpl-" + secrets.token_hex(12)
     gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids,
                      gw.settings.retry_after_s)
-    await gen.start()
+    await _start(gw, gen, owner)
     created = int(time.time())
     if req.stream:
         # The background close also aborts a request whose client left before the stream began.
         return EventStream(_ending_with_error(_chat_stream(gw, gen, req, rid, created, model)), ping=10,
-                                   background=BackgroundTask(gen.close))
-    got = await _collect(request, gen)
+                                   background=BackgroundTask(_finish, gw, gen, owner))
+    try:
+        got = await _collect(request, gen)
+    finally:
+        gw.quotas.end_stream(owner)
 
     def build() -> dict[str, Any]:
         toks = _Tokens(gw.engine.tokenizer)
@@ -212,7 +232,7 @@ async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest,
 
 async def completions(request: Request) -> Response:
     gw = gateway(request)
-    gw.auth.from_http(request.headers)
+    owner = gw.auth.from_http(request.headers)
     req = parse(CompletionRequest, await read_json(request, gw.settings.max_body_bytes))
     model = gw.check_model(req.model)
     _check_n(gw, req.n)
@@ -232,13 +252,16 @@ async def completions(request: Request) -> Response:
     rid = "cmpl-" + secrets.token_hex(12)
     gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, req.logprobs), prompt_ids,
                      gw.settings.retry_after_s)
-    await gen.start()
+    await _start(gw, gen, owner)
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
         return EventStream(_ending_with_error(_completion_stream(gw, gen, req, rid, created, model, echo)), ping=10,
-                                   background=BackgroundTask(gen.close))
-    got = await _collect(request, gen, echo)
+                                   background=BackgroundTask(_finish, gw, gen, owner))
+    try:
+        got = await _collect(request, gen, echo)
+    finally:
+        gw.quotas.end_stream(owner)
 
     def build() -> dict[str, Any]:
         toks = _Tokens(tok)

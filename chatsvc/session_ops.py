@@ -31,6 +31,7 @@ async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
 
 
 async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None) -> SessionMeta:
+    gw.quotas.new_session(owner)
     name = persona or DEFAULT_PERSONA
     found = await gw.personas.get(owner, name)
     if found is None:
@@ -72,6 +73,7 @@ class ReplyReader:
 
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
+    gw.quotas.check_stream(meta.owner, gw.session_turns(meta.owner))
     at = await gw.turns.start(meta, req.content, req)
     return ReplyReader(gw, meta.id, at.turn, "0", at)
 

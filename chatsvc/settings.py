@@ -54,3 +54,12 @@ class Settings:
     metrics_key: str | None = None
     # A non-streamed reply with logprobs is built whole: n x max_tokens x (1 + top) entries at most.
     max_logprob_entries: int = 200_000
+    # Per-key quotas (only with API keys).
+    max_streams_per_key: int = 8
+    max_sessions_per_minute: int = 30
+    max_sockets_per_key: int = 16
+    # A WebSocket must authenticate within this, is closed after this long without a frame while no reply
+    # streams, and may send this many frames a second (bursts of twice that).
+    ws_auth_timeout_s: float = 10.0
+    ws_idle_timeout_s: float = 600.0
+    ws_frames_per_second: float = 20.0

@@ -17,6 +17,7 @@ from chatsvc import session_ops as ops
 from chatsvc.auth import bearer, host_allowed, origin_allowed, ws_key_from_protocols
 from chatsvc.context import Gateway, decode_json, gateway, parse
 from chatsvc.errors import APIError
+from chatsvc.quotas import FrameBudget
 from chatsvc.schemas import SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.wire import delta_frame
@@ -35,6 +36,7 @@ class Connection:
         self.send_lock = asyncio.Lock()
         self.pump: asyncio.Task[None] | None = None
         self.reader: ops.ReplyReader | None = None
+        self.counted: str | None = None  # the owner whose socket quota this socket holds
 
     async def send(self, frame: dict[str, Any]) -> None:
         await self.send_text(json.dumps(frame))
@@ -73,7 +75,9 @@ class Connection:
     async def hello(self, frame: dict[str, Any]) -> None:
         if self.owner is None:
             key = frame.get("api_key")
-            self.owner = self.gw.auth.check_key(key if isinstance(key, str) else None)
+            owner = self.gw.auth.check_key(key if isinstance(key, str) else None)
+            self.claim_socket(owner)
+            self.owner = owner
         sid, persona = frame.get("session_id"), frame.get("persona")
         if sid is not None and not isinstance(sid, str) or persona is not None and not isinstance(persona, str):
             raise APIError(400, "session_id and persona must be strings", code="invalid_value")
@@ -84,6 +88,15 @@ class Connection:
         self._stop_pump(abort_now=False)
         self.meta = meta
         await self.send({"type": "session", **await ops.session_view(self.gw, meta)})
+
+    def claim_socket(self, owner: str) -> None:
+        """Count this socket against its owner's quota (429 past it)."""
+        self.gw.quotas.open_socket(owner)
+        self.counted = owner
+
+    @property
+    def streaming(self) -> bool:
+        return self.pump is not None and not self.pump.done()
 
     def _follow(self, reader: ops.ReplyReader) -> None:
         self._stop_pump(abort_now=False)
@@ -144,21 +157,57 @@ async def ws_endpoint(websocket: WebSocket) -> None:
             await websocket.close(code=1008, reason="invalid API key")
             return
     await websocket.accept(subprotocol=subprotocol)
-    conn = Connection(websocket, gw, owner)
+    conn = Connection(websocket, gw, None)
+    if owner is not None:
+        try:
+            conn.claim_socket(owner)
+        except APIError as exc:
+            await conn.error(exc.code or "quota_exceeded", exc.message)
+            await websocket.close(code=1008, reason="too many open WebSockets")
+            return
+        conn.owner = owner
     gw.metrics.open_ws.inc()
     code = 1006
+    budget = FrameBudget(gw.settings.ws_frames_per_second)
+    opened = asyncio.get_running_loop().time()
     try:
         while True:
-            msg = await websocket.receive()
+            msg = await _receive(conn, opened)
+            if msg is None:  # not authenticated in time, or idle with nothing streaming
+                code = 1008 if conn.owner is None else 1000
+                await websocket.close(code=code, reason="authentication timeout" if code == 1008 else "idle")
+                break
             if msg["type"] == "websocket.disconnect":
                 code = int(msg.get("code") or 1000)
                 break
+            if not budget.take():
+                await conn.error("rate_limited", "too many frames; slow down")
+                continue
             await _dispatch(conn, msg)
     except WebSocketDisconnect as exc:
         code = exc.code
     finally:
         gw.metrics.open_ws.dec()
+        if conn.counted is not None:
+            gw.quotas.close_socket(conn.counted)
         await conn.close(code)
+
+
+async def _receive(conn: Connection, opened: float) -> Mapping[str, Any] | None:
+    """The next message, or None once the socket has had its time: an unauthenticated one
+    ``ws_auth_timeout_s`` after it opened, an idle one (no frame, no reply streaming) ``ws_idle_timeout_s``."""
+    settings = conn.gw.settings
+    loop = asyncio.get_running_loop()
+    while True:
+        if conn.owner is None:
+            timeout = opened + settings.ws_auth_timeout_s - loop.time()
+        else:
+            timeout = settings.ws_idle_timeout_s
+        try:
+            return await asyncio.wait_for(conn.ws.receive(), max(timeout, 0.0))
+        except TimeoutError:
+            if conn.owner is None or not conn.streaming:
+                return None
 
 
 async def _dispatch(conn: Connection, msg: Mapping[str, Any]) -> None:
