@@ -60,6 +60,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated Host names (fnmatch, '*' for any) the server answers to; default: "
                         "localhost, 127.0.0.1, [::1] and --host")
     p.add_argument("--max-personas-per-key", type=int, default=16)
+    p.add_argument("--max-streams-per-key", type=int, default=8, help="concurrent generations per API key")
+    p.add_argument("--max-sessions-per-minute", type=int, default=30, help="new sessions per API key a minute")
+    p.add_argument("--max-sockets-per-key", type=int, default=16, help="open WebSockets per API key")
     p.add_argument("--max-pinned-fraction", type=float, default=0.25,
                    help="share of the KV pool persona pins may hold; least recently used are unpinned past it")
     p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
@@ -118,7 +121,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     abort_grace_s=args.abort_grace, allowed_hosts=hosts, admin_keys=admins,
                     max_personas_per_key=args.max_personas_per_key,
                     max_pinned_fraction=args.max_pinned_fraction,
-                    metrics_key=args.metrics_key or None)
+                    metrics_key=args.metrics_key or None, max_streams_per_key=args.max_streams_per_key,
+                    max_sessions_per_minute=args.max_sessions_per_minute,
+                    max_sockets_per_key=args.max_sockets_per_key)
 
 
 def build_engine(model: str | None, kwargs: dict[str, Any], kind: str = "process",

@@ -178,3 +178,6 @@ def test_cli_origins_replace_and_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.admin_keys == ("adm1", "adm2") and s.max_pinned_fraction == 0.1
     assert settings_from_args(_args("--allowed-hosts", "chat.example.com")).allowed_hosts == ("chat.example.com",)
     assert settings_from_args(_args()).allowed_origins == ()
+    q = settings_from_args(_args("--max-streams-per-key", "3", "--max-sessions-per-minute", "5",
+                                 "--max-sockets-per-key", "7"))
+    assert (q.max_streams_per_key, q.max_sessions_per_minute, q.max_sockets_per_key) == (3, 5, 7)
