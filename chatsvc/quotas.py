@@ -1,14 +1,18 @@
-"""Per-key quotas: concurrent generations, new sessions per minute, open WebSockets. Only with API keys
+"""Per-key quotas: concurrent generations, new sessions per minute, open WebSockets, readers of a reply. Only with API keys
 (without them there is one owner, the operator). Past a quota: 429 with Retry-After (a WS error frame)."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict, deque
+from typing import TYPE_CHECKING
 
 from chatsvc.auth import ANON
 from chatsvc.errors import APIError
 from chatsvc.settings import Settings
+
+if TYPE_CHECKING:
+    from chatsvc.turns import ActiveTurn
 
 
 def _limited(what: str, limit: int, retry_after: int) -> APIError:
@@ -40,6 +44,13 @@ class Quotas:
         self.streams[owner] -= 1
         if self.streams[owner] <= 0:
             del self.streams[owner]
+
+    def check_readers(self, at: ActiveTurn | None) -> None:
+        """Refuse one more reader of a running reply past ``max_readers_per_reply`` (each holds a buffer
+        and a send loop; one key could otherwise attach thousands to one cheap reply)."""
+        limit = self.settings.max_readers_per_reply
+        if at is not None and at.readers >= limit:
+            raise _limited("too many readers of this reply", limit, self.settings.retry_after_s)
 
     def new_session(self, owner: str) -> None:
         if not self.applies(owner):

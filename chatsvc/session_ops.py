@@ -83,6 +83,7 @@ async def resume(gw: Gateway, meta: SessionMeta, last_event_id: str | None) -> R
     check_event_id(last_event_id)
     turn, after = parse_event_id(last_event_id)
     turn = meta.turns if turn is None else turn
+    gw.quotas.check_readers(gw.turns.active.get(meta.id))
     at = gw.turns.attach(meta.id, turn)
     if at is None and not await gw.store.stream_exists(meta.id, turn):
         raise APIError(404, "no reply to resume (finished and expired, or never started)", code="stream_not_found")

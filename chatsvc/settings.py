@@ -63,3 +63,4 @@ class Settings:
     ws_auth_timeout_s: float = 10.0
     ws_idle_timeout_s: float = 600.0
     ws_frames_per_second: float = 20.0
+    max_readers_per_reply: int = 8

@@ -26,7 +26,7 @@ KA, KB = "key-a", "key-b"
 A, B = ({"Authorization": f"Bearer {k}"} for k in (KA, KB))
 SETTINGS = Settings(api_keys=(KA, KB), web_dir=Path("/nonexistent"), max_pinned_fraction=1.0,
                     max_streams_per_key=2, max_sessions_per_minute=4, max_sockets_per_key=2, ws_auth_timeout_s=0.5,
-                    ws_idle_timeout_s=1.5, ws_frames_per_second=5)
+                    ws_idle_timeout_s=1.5, ws_frames_per_second=5, max_readers_per_reply=2)
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +134,24 @@ def test_frame_flood_is_throttled(server: LiveServer) -> None:
         time.sleep(0.5)  # the bucket refills: the socket is still usable
         ws.send(json.dumps({"type": "hello"}))
         assert json.loads(ws.recv(timeout=10))["type"] == "session"
+
+
+def test_readers_of_one_reply(server: LiveServer) -> None:
+    server.gw.quotas.sessions.clear()  # type: ignore[attr-defined]
+    server.engine.step_s = 0.05  # type: ignore[attr-defined]
+    try:
+        sid = httpx.post(server.url + "/v1/sessions", json={}, headers=B).json()["id"]
+        with ExitStack() as stack:
+            first = stack.enter_context(httpx.stream("POST", f"{server.url}/v1/sessions/{sid}/messages", headers=B,
+                                                     json={"content": "hi", "max_tokens": 100, "ignore_eos": True},
+                                                     timeout=30))
+            lines = first.iter_lines()
+            next(lines)
+            stack.callback(lines.close)
+            second = stack.enter_context(httpx.stream("GET", f"{server.url}/v1/sessions/{sid}/stream", headers=B,
+                                                      timeout=30))
+            assert second.status_code == 200
+            third = httpx.get(f"{server.url}/v1/sessions/{sid}/stream", headers=B, timeout=30)
+            assert third.status_code == 429 and third.json()["error"]["code"] == "quota_exceeded"
+    finally:
+        server.engine.reset()  # type: ignore[attr-defined]
