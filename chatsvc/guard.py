@@ -10,6 +10,9 @@ from chatsvc.auth import host_allowed, origin_allowed
 from chatsvc.errors import APIError
 
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+# Probes and scrapers address the server by IP (a kubelet sends Host: <pod IP>); these routes reveal nothing
+# a rebinding page could use, so they answer whatever the Host.
+ANY_HOST = frozenset({"/health", "/ready", "/metrics"})
 
 
 class RequestGuard:
@@ -20,7 +23,7 @@ class RequestGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # WebSockets are checked in their endpoint, where a refusal is a handshake close.
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope["path"] not in ANY_HOST:
             error = self.refusal(Headers(scope=scope), scope["method"])
             if error is not None:
                 await error.response()(scope, receive, send)

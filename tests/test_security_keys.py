@@ -84,9 +84,12 @@ def test_ws_origin_defaults_to_the_servers_own(server: LiveServer) -> None:
 def test_host_allow_list(server: LiveServer) -> None:
     """DNS rebinding: a page on evil.example resolving to this server sends Host: evil.example."""
     evil = {**A, "Host": "evil.example"}
-    for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/health")):
+    for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/"), ("GET", "/v1/kv")):
         r = httpx.request(method, server.url + path, headers=evil)
         assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed", path
+    # Probes address the server by IP; these routes answer any Host.
+    assert httpx.get(server.url + "/health", headers={"Host": "10.0.0.7:8000"}).status_code == 200
+    assert httpx.get(server.url + "/ready", headers={"Host": "10.0.0.7:8000"}).status_code in (200, 503)
     assert _ws_handshake_status(server, "evil.example") == 403
     assert _ws_handshake_status(server, f"127.0.0.1:{server.port}") == 101
     assert httpx.get(server.url + "/v1/sessions", headers={**A, "Host": f"localhost:{server.port}"}).status_code == 200
