@@ -82,11 +82,35 @@ async def _start(gw: Gateway, gen: Generation, owner: str) -> None:
         raise
 
 
-async def _finish(gw: Gateway, gen: Generation, owner: str) -> None:
+class _Lease:
+    """A streamed generation's place in its owner's quota, given back exactly once: by the stream's end or,
+    for a client gone before it began (or a send that timed out, which skips the background), the other."""
+
+    def __init__(self, gw: Gateway, owner: str) -> None:
+        self.gw, self.owner, self.held = gw, owner, True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.gw.quotas.end_stream(self.owner)
+
+
+async def _holding(lease: _Lease, events: AsyncIterator[dict[str, str] | bytes]
+                   ) -> AsyncIterator[dict[str, str] | bytes]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        lease.release()
+        if hasattr(events, "aclose"):
+            await events.aclose()
+
+
+async def _finish(gen: Generation, lease: _Lease) -> None:
     try:
         await gen.close()
     finally:
-        gw.quotas.end_stream(owner)
+        lease.release()
 
 
 def _check_logprob_volume(gw: Gateway, n: int, max_tokens: int, top: int | None, stream: bool) -> None:
@@ -124,8 +148,10 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     if req.stream:
         # The background close also aborts a request whose client left before the stream began.
-        return EventStream(_ending_with_error(_chat_stream(gw, gen, req, rid, created, model)), ping=10,
-                                   background=BackgroundTask(_finish, gw, gen, owner))
+        lease = _Lease(gw, owner)
+        return EventStream(_holding(lease, _ending_with_error(_chat_stream(gw, gen, req, rid, created, model))),
+                           ping=10, send_timeout=gw.settings.sse_send_timeout_s,
+                           background=BackgroundTask(_finish, gen, lease))
     try:
         got = await _collect(request, gen)
     finally:
@@ -256,8 +282,11 @@ async def completions(request: Request) -> Response:
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return EventStream(_ending_with_error(_completion_stream(gw, gen, req, rid, created, model, echo)), ping=10,
-                                   background=BackgroundTask(_finish, gw, gen, owner))
+        lease = _Lease(gw, owner)
+        return EventStream(_holding(lease, _ending_with_error(_completion_stream(gw, gen, req, rid, created, model,
+                                                                                 echo))),
+                           ping=10, send_timeout=gw.settings.sse_send_timeout_s,
+                           background=BackgroundTask(_finish, gen, lease))
     try:
         got = await _collect(request, gen, echo)
     finally:

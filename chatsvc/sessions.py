@@ -79,7 +79,9 @@ def _sse_response(gw: Gateway, reader: ops.ReplyReader) -> Response:
             reader.release()
 
     # The background release also covers a client gone before the generator ever started.
-    return EventStream(events(), ping=10, background=BackgroundTask(reader.release))
+    # A reader that stops reading (full TCP window) is detached after the send timeout, like one that left.
+    return EventStream(events(), ping=10, background=BackgroundTask(reader.release),
+                       send_timeout=gw.settings.sse_send_timeout_s)
 
 
 async def cancel_reply(request: Request) -> JSONResponse:

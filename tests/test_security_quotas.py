@@ -4,6 +4,7 @@ WS error frame); WebSockets that do not authenticate, sit idle or flood frames a
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -155,3 +156,49 @@ def test_readers_of_one_reply(server: LiveServer) -> None:
             assert third.status_code == 429 and third.json()["error"]["code"] == "quota_exceeded"
     finally:
         server.engine.reset()  # type: ignore[attr-defined]
+
+
+def _stalled_request(port: int, path: str, body: dict[str, object], headers: dict[str, str]) -> socket.socket:
+    """Send a request and never read the reply; a tiny receive buffer makes the TCP window fill fast."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    raw = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(raw)}\r\n{head}\r\n".encode() + raw)
+    return sock
+
+
+@pytest.fixture(scope="module")
+def stall_server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
+    engine = FakeEngine(tiny_tokenizer(tmp_path_factory.mktemp("tok")), max_model_len=16384)
+    settings = Settings(api_keys=(KA,), web_dir=Path("/nonexistent"), max_pinned_fraction=1.0, sse_send_timeout_s=1.0,
+                        abort_grace_s=0.5)
+    app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), settings)
+    with LiveServer(app) as live:
+        live.engine = engine  # type: ignore[attr-defined]
+        live.gw = app.state.gateway  # type: ignore[attr-defined]
+        yield live
+
+
+def test_a_reader_that_stops_reading_is_detached(stall_server: LiveServer) -> None:
+    """A client whose TCP window stays full does not keep its generation (and the server's buffers) alive:
+    after the send timeout the stream ends and the request is aborted, its quota given back."""
+    engine = stall_server.engine  # type: ignore[attr-defined]
+    engine.step_s = 0.0005
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 8, "max_tokens": 12000,
+                "ignore_eos": True}
+        sock = _stalled_request(stall_server.port, "/v1/chat/completions", body, A)
+        try:
+            deadline = time.monotonic() + 60
+            while not engine.aborted and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert engine.aborted, "the stalled stream's request was never aborted"
+            assert not engine.running
+            assert not stall_server.gw.quotas.streams  # type: ignore[attr-defined]
+        finally:
+            sock.close()
+    finally:
+        engine.reset()
