@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,20 +15,24 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 import chatsvc
-from chatsvc import kv_routes, openai_routes, sessions, ws
-from chatsvc.auth import Auth
+from chatsvc import kv_routes, openai_routes, persona_routes, sessions, ws
+from chatsvc.auth import Auth, bearer
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
+from chatsvc.guard import RequestGuard
 from chatsvc.metrics import Metrics
+from chatsvc.offload import Offload
 from chatsvc.personas import Personas
+from chatsvc.quotas import Quotas
 from chatsvc.settings import Settings
-from chatsvc.store import Store
+from chatsvc.store import P, Store
 from chatsvc.turns import TurnRegistry
 from engine.client import EngineClient, EngineDeadError
 
@@ -69,7 +75,14 @@ async def ready(request: Request) -> JSONResponse:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(gateway(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    gw = gateway(request)
+    want = gw.settings.metrics_key
+    if want is not None:
+        got = bearer(request.headers) or ""
+        if not secrets.compare_digest(got.encode(), want.encode()):
+            raise APIError(401, "metrics need the metrics key (Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+    return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def redis_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -87,10 +100,21 @@ async def internal_error_handler(request: Request, exc: Exception) -> JSONRespon
     return APIError(500, "internal server error", code="internal_error").response()
 
 
+SECRET_KEY = P + "server_secret"
+
+
+async def load_secret(gw: Gateway) -> None:
+    """The server secret owner ids are keyed with: created once (SET NX), then the same for every process."""
+    await gw.store.r.set(SECRET_KEY, secrets.token_hex(32), nx=True)
+    gw.auth.set_secret(bytes.fromhex(await gw.store.r.get(SECRET_KEY)))
+
+
 async def _sync_personas(gw: Gateway) -> None:
-    """Pin the personas once Redis answers (it may come up after the gateway)."""
+    """Read the server secret and pin the personas once Redis answers (it may come up after the gateway)."""
     while True:
         try:
+            if not gw.auth.ready:
+                await load_secret(gw)
             await gw.personas.sync()
             return
         except RedisError as exc:
@@ -101,13 +125,23 @@ async def _sync_personas(gw: Gateway) -> None:
 def create_app(engine: EngineClient, store: Store, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     m = Metrics(engine)
-    gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys), metrics=m,
-                 personas=Personas(engine, store), turns=TurnRegistry(engine, store, m, settings))
+    gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
+                 metrics=m, personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings),
+                 offload=Offload(engine), quotas=Quotas(settings))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        await gw.offload.warm()
+        # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the process: frozen
+        # out of the cyclic GC, a full collection walks only request objects, not a pause of tenths of a
+        # second (holding the GIL) whenever a large request allocates enough to trigger one.
+        gc.freeze()
         gw.engine_ready = True
+        if gw.auth.enabled:
+            # Keyed requests wait for the secret (503 meanwhile); Redis is usually up, so try once first.
+            with contextlib.suppress(RedisError, OSError):
+                await asyncio.wait_for(load_secret(gw), 5.0)
         await gw.turns.open()  # heartbeat, lock refresh, recovery of turns a crashed instance left
         sync = asyncio.create_task(_sync_personas(gw))
         try:
@@ -118,6 +152,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
             await gw.turns.shutdown()
             await engine.stop()
             await store.close()
+            gw.offload.close()
 
     routes: list[BaseRoute] = [
         Route("/health", health, methods=["GET"]),
@@ -125,6 +160,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         Route("/metrics", metrics, methods=["GET"]),
         *kv_routes.routes,
         *openai_routes.routes,
+        *persona_routes.routes,
         *sessions.routes,
         *ws.routes,
     ]
@@ -134,6 +170,8 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
+        middleware=[Middleware(RequestGuard, allowed_hosts=settings.allowed_hosts,
+                               allowed_origins=settings.allowed_origins)],
         exception_handlers={
             APIError: api_error_handler,
             HTTPException: not_found_handler,

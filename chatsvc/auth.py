@@ -1,7 +1,8 @@
-"""API keys, session ownership and WebSocket Origin checks.
+"""API keys, admin keys, owner ids, and the browser-facing checks (Origin, Host).
 
-A session belongs to the key that created it; the owner id stored in Redis is a hash of the key so
-the keys themselves never reach the store. Without configured keys every caller is "anon".
+A session belongs to the key that created it. The owner id stored in Redis is an HMAC of the key with a
+server secret kept in Redis (created once, on first start), so neither the keys nor an offline-guessable
+hash of them reach the store. Without configured keys every caller is "anon".
 """
 
 from __future__ import annotations
@@ -16,36 +17,62 @@ from starlette.datastructures import Headers, QueryParams
 from chatsvc.errors import APIError
 
 ANON = "anon"
-# Browsers cannot set headers on a WebSocket; they can offer subprotocols, so a key may ride in one.
+# Browsers cannot set headers on a WebSocket; they can offer subprotocols, so a key may ride in one. The
+# server only ever selects WS_PROTOCOL, so the key is never echoed back in the handshake response.
 WS_KEY_PROTOCOL_PREFIX = "chatsvc.key."
 WS_PROTOCOL = "chatsvc"
+SECRET_RETRY_AFTER_S = 2
 
 
-def owner_id(key: str) -> str:
-    return "k" + hashlib.sha256(key.encode()).hexdigest()[:24]
+def owner_id(key: str, secret: bytes) -> str:
+    return "k" + hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 class Auth:
-    def __init__(self, api_keys: tuple[str, ...]) -> None:
-        self.api_keys = tuple(api_keys)
+    def __init__(self, api_keys: tuple[str, ...], admin_keys: tuple[str, ...] = ()) -> None:
+        # An admin key is also an API key.
+        self.api_keys = tuple(dict.fromkeys((*api_keys, *admin_keys)))
+        self.admin_keys = tuple(admin_keys)
+        self._owners: dict[str, str] | None = None  # key -> owner id, once the server secret is known
+        self._admins: frozenset[str] = frozenset()
 
     @property
     def enabled(self) -> bool:
         return bool(self.api_keys)
 
+    @property
+    def ready(self) -> bool:
+        return not self.enabled or self._owners is not None
+
+    def set_secret(self, secret: bytes) -> None:
+        self._owners = {k: owner_id(k, secret) for k in self.api_keys}
+        self._admins = frozenset(self._owners[k] for k in self.admin_keys)
+
+    def is_admin(self, owner: str) -> bool:
+        """Without keys the one anonymous owner runs the server, so it administers it too."""
+        return owner == ANON if not self.enabled else owner in self._admins
+
     def check_key(self, key: str | None) -> str:
-        """Return the owner id for ``key``, or raise 401."""
+        """Return the owner id for ``key``, or raise 401 (503 until the server secret has been read)."""
         if not self.enabled:
             return ANON
         if not key:
             raise APIError(401, "missing API key (Authorization: Bearer <key>)", code="missing_api_key")
-        if not any(hmac.compare_digest(key.encode(), k.encode()) for k in self.api_keys):
+        match = next((k for k in self.api_keys if hmac.compare_digest(key.encode(), k.encode())), None)
+        if match is None:
             raise APIError(401, "invalid API key", code="invalid_api_key")
-        return owner_id(key)
+        if self._owners is None:
+            raise APIError(503, "starting: the session store has not been reached yet", code="redis_unavailable",
+                           headers={"Retry-After": str(SECRET_RETRY_AFTER_S)})
+        return self._owners[match]
 
     def from_http(self, headers: Headers, query: QueryParams | None = None) -> str:
-        # EventSource (browser SSE) cannot send headers either, hence the query parameter fallback.
-        return self.check_key(bearer(headers) or (query.get("api_key") if query is not None else None))
+        # A key in a URL lands in access logs, proxies and browser history: refused, not just ignored, so
+        # a client still sending one learns why it is unauthenticated.
+        if query is not None and "api_key" in query:
+            raise APIError(400, "API keys are not accepted in URLs; send Authorization: Bearer <key>",
+                           code="api_key_in_url", param="api_key")
+        return self.check_key(bearer(headers))
 
 
 def bearer(headers: Headers) -> str | None:
@@ -55,17 +82,15 @@ def bearer(headers: Headers) -> str | None:
 
 
 def ws_key_from_protocols(headers: Headers) -> tuple[str | None, str | None]:
-    """(key, subprotocol to accept) from Sec-WebSocket-Protocol."""
+    """(key, subprotocol to accept) from Sec-WebSocket-Protocol: only ``chatsvc`` is ever accepted."""
     offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     key = next((p[len(WS_KEY_PROTOCOL_PREFIX):] for p in offered if p.startswith(WS_KEY_PROTOCOL_PREFIX)), None)
-    if WS_PROTOCOL in offered:
-        return key, WS_PROTOCOL
-    # The handshake must echo one offered protocol or the browser fails it.
-    return key, offered[0] if offered else None
+    return key, WS_PROTOCOL if WS_PROTOCOL in offered else None
 
 
 def origin_allowed(origin: str | None, host: str | None, patterns: tuple[str, ...]) -> bool:
-    """Non-browser clients send no Origin and are allowed; browsers must come from an allowed page."""
+    """Non-browser clients send no Origin and are allowed; browsers must come from the server's own origin
+    (same host and port) or one matching ``patterns``."""
     if not origin:
         return True
     parts = urlsplit(origin)
@@ -74,3 +99,16 @@ def origin_allowed(origin: str | None, host: str | None, patterns: tuple[str, ..
     if host and parts.netloc.lower() == host.lower():
         return True
     return any(fnmatch(origin.lower(), p.lower()) for p in patterns)
+
+
+def host_allowed(host: str | None, patterns: tuple[str, ...]) -> bool:
+    """The Host header's name (port dropped) against fnmatch ``patterns``: a page on an attacker's domain
+    that resolves to this server (DNS rebinding) sends its own name and is refused."""
+    if "*" in patterns:
+        return True
+    if not host:
+        return False
+    name = host.lower()
+    name = name[:name.find("]") + 1] if name.startswith("[") else name.rsplit(":", 1)[0]
+    # Compared literally first: fnmatch would read "[::1]" as a character class.
+    return any(name == p.lower() or fnmatch(name, p.lower()) for p in patterns)

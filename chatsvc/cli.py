@@ -48,8 +48,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads of the engine (default: all cores)")
     p.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
+    p.add_argument("--admin-key", action="append", default=None, dest="admin_keys",
+                   help="key that may also write the shared personas (repeatable; also $CHATSVC_ADMIN_KEYS)")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="allow listening on a non-loopback address without API keys (anyone can use it)")
+    p.add_argument("--metrics-key", default=os.environ.get("CHATSVC_METRICS_KEY"),
+                   help="bearer token /metrics requires (default: $CHATSVC_METRICS_KEY; unset: public)")
     p.add_argument("--allowed-origins", default=None,
-                   help="comma-separated WebSocket Origin patterns (fnmatch) besides the server's own host")
+                   help="comma-separated browser Origin patterns (fnmatch) allowed besides the server's own "
+                        "origin; replaces the (empty) default")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host names (fnmatch, '*' for any) the server answers to; default: "
+                        "localhost, 127.0.0.1, [::1] and --host")
+    p.add_argument("--max-personas-per-key", type=int, default=16)
+    p.add_argument("--max-streams-per-key", type=int, default=8, help="concurrent generations per API key")
+    p.add_argument("--max-sessions-per-minute", type=int, default=30, help="new sessions per API key a minute")
+    p.add_argument("--max-sockets-per-key", type=int, default=16, help="open WebSockets per API key")
+    p.add_argument("--max-pinned-fraction", type=float, default=0.25,
+                   help="share of the KV pool persona pins may hold; least recently used are unpinned past it")
     p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
     p.add_argument("--abort-grace", type=float, default=3.0,
                    help="seconds a session reply keeps generating without readers before it is aborted")
@@ -70,14 +86,45 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The gateway's settings; raises SystemExit for a configuration that would expose it unprotected."""
     keys = tuple(args.api_keys or ()) + api_keys_from_env()
-    base = Settings()
-    origins = base.allowed_origins
-    if args.allowed_origins:
-        origins = origins + tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    admins = tuple(args.admin_keys or ()) + api_keys_from_env("CHATSVC_ADMIN_KEYS")
+    host = args.host
+    if not (keys or admins) and not is_loopback(host):
+        if not args.insecure_no_auth:
+            raise SystemExit(f"refusing to listen on {host} without API keys: anyone who can reach it could use "
+                             "it. Set --api-key/CHATSVC_API_KEYS, or pass --insecure-no-auth.")
+        log.warning("INSECURE: listening on %s WITHOUT API KEYS (--insecure-no-auth): anyone who can reach this "
+                    "address can use the service and read every session", host)
+    hosts = Settings().allowed_hosts
+    if host not in ("0.0.0.0", "::", "") and host not in hosts:
+        hosts = (*hosts, f"[{host}]" if ":" in host else host)
+    if args.allowed_hosts:
+        hosts = _csv(args.allowed_hosts)
+    origins = _csv(args.allowed_origins) if args.allowed_origins else Settings().allowed_origins
     return Settings(api_keys=keys, allowed_origins=origins, session_ttl_s=args.session_ttl,
-                    abort_grace_s=args.abort_grace)
+                    abort_grace_s=args.abort_grace, allowed_hosts=hosts, admin_keys=admins,
+                    max_personas_per_key=args.max_personas_per_key,
+                    max_pinned_fraction=args.max_pinned_fraction,
+                    metrics_key=args.metrics_key or None, max_streams_per_key=args.max_streams_per_key,
+                    max_sessions_per_minute=args.max_sessions_per_minute,
+                    max_sockets_per_key=args.max_sockets_per_key)
 
 
 def build_engine(model: str | None, kwargs: dict[str, Any], kind: str = "process",
@@ -120,21 +167,21 @@ def serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
     try:
+        settings = settings_from_args(args)  # refuses an unprotected public listen before starting anything
         if args.redis_url:
             url, desc = args.redis_url, f"external Redis at {args.redis_url}"
         else:
             embedded = EmbeddedRedis((args.data_dir or default_data_dir()) / "redis")
             url = embedded.start()
             desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {url}, append-only"
-        settings = settings_from_args(args)
         engine = build_engine(args.model, engine_kwargs(args), args.engine, args.engine_threads)
         stats = engine.stats()
         log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
                  engine.max_model_len, stats.get("kv_blocks_total", 0), args.block_size,
                  stats.get("cpu_blocks_total", 0))
         log.info("sessions in %s", desc)
-        if settings.api_keys:
-            log.info("API keys required (%d configured)", len(settings.api_keys))
+        if settings.api_keys or settings.admin_keys:
+            log.info("API keys required (%d configured, %d admin)", len(settings.api_keys), len(settings.admin_keys))
         # Named by host and port: a restart on the same port recovers its predecessor's turns at once.
         store = Store.from_url(url, settings.session_ttl_s, settings.stream_ttl_s,
                                instance=f"{socket.gethostname()}:{args.port}")

@@ -19,9 +19,23 @@ from chatsvc.personas import pin_key
 from chatsvc.session_ops import load_session
 
 
-async def _kv_payload(gw: Gateway, session: dict[str, Any] | None) -> dict[str, Any]:
+def _visible(gw: Gateway, snap: dict[str, Any], owner: str) -> dict[str, Any]:
+    """The block picture as ``owner`` may see it: their own requests and pins by name, everyone else's
+    blocks still drawn but under opaque labels (request ids and owners' persona names are private)."""
+    own = {at.request_id for at in gw.turns.active.values() if at.owner == owner}
+    requests: dict[str, list[int]] = {}
+    for i, (rid, blocks) in enumerate((snap.get("requests") or {}).items()):
+        requests[rid if rid in own else f"other-{i}"] = blocks
+    pins: dict[str, list[int]] = {}
+    for i, (key, blocks) in enumerate((snap.get("pins") or {}).items()):
+        shared = key.count(":") == 1
+        pins[key if shared or key.startswith(pin_key("", owner)) else f"persona:other-{i}"] = blocks
+    return {**snap, "requests": requests, "pins": pins}
+
+
+async def _kv_payload(gw: Gateway, owner: str, session: dict[str, Any] | None) -> dict[str, Any]:
     snap = gw.engine.kv_snapshot()
-    payload: dict[str, Any] = {**snap, **gw.engine.stats()}
+    payload: dict[str, Any] = {**_visible(gw, snap, owner), **gw.engine.stats()}
     if session is not None:
         rid = gw.turns.request_id(session["id"])
         pins = snap.get("pins") or {}
@@ -29,16 +43,15 @@ async def _kv_payload(gw: Gateway, session: dict[str, Any] | None) -> dict[str, 
             **session,
             "request_id": rid,
             "blocks": list(snap.get("requests", {}).get(rid, [])) if rid else [],
-            "persona_blocks": list(pins.get(pin_key(session["persona"]), [])),
+            "persona_blocks": list(pins.get(gw.personas.session_pin_key(owner, session["persona"]), [])),
         }
     return payload
 
 
-async def _session_for_kv(gw: Gateway, request: Request) -> dict[str, Any] | None:
+async def _session_for_kv(gw: Gateway, request: Request, owner: str) -> dict[str, Any] | None:
     sid = request.query_params.get("session_id")
     if not sid:
         return None
-    owner = gw.auth.from_http(request.headers, request.query_params)
     try:
         meta = await load_session(gw, sid, owner)
     except RedisError:
@@ -48,18 +61,18 @@ async def _session_for_kv(gw: Gateway, request: Request) -> dict[str, Any] | Non
 
 async def kv(request: Request) -> JSONResponse:
     gw = gateway(request)
-    gw.auth.from_http(request.headers, request.query_params)
-    return JSONResponse(await _kv_payload(gw, await _session_for_kv(gw, request)))
+    owner = gw.auth.from_http(request.headers, request.query_params)
+    return JSONResponse(await _kv_payload(gw, owner, await _session_for_kv(gw, request, owner)))
 
 
 async def kv_stream(request: Request) -> Response:
     gw = gateway(request)
-    gw.auth.from_http(request.headers, request.query_params)
-    session = await _session_for_kv(gw, request)
+    owner = gw.auth.from_http(request.headers, request.query_params)
+    session = await _session_for_kv(gw, request, owner)
 
     async def events() -> AsyncIterator[dict[str, str]]:
         while True:
-            yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, session))}
+            yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, owner, session))}
             await asyncio.sleep(gw.settings.kv_stream_interval_s)
 
     return EventSourceResponse(events(), ping=15)

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from chatsvc.context import Gateway, gateway, parse, read_json
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
+from chatsvc.offload import Raw, TokenTexts, dumps_in_pieces
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 
@@ -37,64 +38,135 @@ def _check_n(gw: Gateway, n: int) -> None:
 
 
 class _Tokens:
-    """Token strings for logprobs."""
+    """Token strings for logprobs, each token id decoded once per request."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tok = tokenizer
-
-    def text(self, tid: int) -> str:
-        return str(self.tok.decode([tid], skip_special_tokens=False))
+        self.text = TokenTexts(tokenizer)
 
     def chat(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int) -> list[dict[str, Any]]:
-        out = []
-        for tid, d in zip(token_ids, lps or [], strict=False):
-            s = self.text(tid)
-            tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
-            out.append({"token": s, "logprob": float(d.get(tid, -9999.0)), "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": self.text(t), "logprob": float(lp),
-                                          "bytes": list(self.text(t).encode())} for t, lp in tops]})
-        return out
+        return [self._chat_entry(tid, d, top_n) for tid, d in zip(token_ids, lps or [], strict=False)]
+
+    def chat_json(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int) -> list[Raw]:
+        """:meth:`chat`'s entries, each encoded as soon as it is built (for a whole non-streamed reply)."""
+        return [Raw(json.dumps(self._chat_entry(tid, d, top_n))) for tid, d in zip(token_ids, lps or [], strict=False)]
+
+    def _chat_entry(self, tid: int, d: dict[int, float], top_n: int) -> dict[str, Any]:
+        s = self.text(tid)
+        tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+        return {"token": s, "logprob": float(d.get(tid, -9999.0)), "bytes": list(s.encode()),
+                "top_logprobs": [{"token": self.text(t), "logprob": float(lp),
+                                  "bytes": list(self.text(t).encode())} for t, lp in tops]}
 
     def completion(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int,
-                   offset: int) -> dict[str, Any]:
+                   offset: int, encoded: bool = False) -> dict[str, Any]:
+        """OpenAI's completion logprobs; ``encoded``: each top_logprobs dict already encoded (see chat_json)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, d in zip(token_ids, lps or [], strict=False):
             s = self.text(tid)
             tokens.append(s)
             token_lps.append(float(d.get(tid, -9999.0)))
-            tops.append({self.text(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]})
+            top = {self.text(t): float(lp) for t, lp in sorted(d.items(), key=lambda kv: -kv[1])[:top_n]}
+            tops.append(Raw(json.dumps(top)) if encoded else top)
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+async def _start(gw: Gateway, gen: Generation, owner: str) -> None:
+    """Admit the generation under the caller's concurrency quota (429 past it)."""
+    gw.quotas.start_stream(owner, gw.session_turns(owner))
+    try:
+        await gen.start()
+    except BaseException:
+        gw.quotas.end_stream(owner)
+        raise
+
+
+class _Lease:
+    """A streamed generation's place in its owner's quota, given back exactly once: by the stream's end or,
+    for a client gone before it began (or a send that timed out, which skips the background), the other."""
+
+    def __init__(self, gw: Gateway, owner: str) -> None:
+        self.gw, self.owner, self.held = gw, owner, True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.gw.quotas.end_stream(self.owner)
+
+
+async def _holding(lease: _Lease, events: AsyncIterator[dict[str, str] | bytes]
+                   ) -> AsyncIterator[dict[str, str] | bytes]:
+    try:
+        async for event in events:
+            yield event
+    finally:
+        lease.release()
+        if hasattr(events, "aclose"):
+            await events.aclose()
+
+
+async def _finish(gen: Generation, lease: _Lease) -> None:
+    try:
+        await gen.close()
+    finally:
+        lease.release()
+
+
+def _check_logprob_volume(gw: Gateway, n: int, max_tokens: int, top: int | None, stream: bool) -> None:
+    """A non-streamed reply with logprobs is built and sent whole: cap its size up front."""
+    if stream or top is None:
+        return
+    entries = n * max_tokens * (1 + top)
+    if entries > gw.settings.max_logprob_entries:
+        raise APIError(400, f"n x max_tokens x (1 + top logprobs) = {entries} exceeds "
+                       f"{gw.settings.max_logprob_entries} for a non-streamed request; stream it or ask for less",
+                       code="invalid_value", param="max_tokens")
+
+
+async def _json_response(gw: Gateway, build: Any) -> Response:
+    """``build()``'s result as JSON, built and encoded on a worker thread in small pieces."""
+    body = await gw.offload.run(lambda: dumps_in_pieces(build()))
+    return Response(body, media_type="application/json")
+
+
 async def chat_completions(request: Request) -> Response:
     gw = gateway(request)
-    gw.auth.from_http(request.headers)
+    owner = gw.auth.from_http(request.headers)
     req = parse(ChatCompletionRequest, await read_json(request, gw.settings.max_body_bytes))
     model = gw.check_model(req.model)
     _check_n(gw, req.n)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    prompt_ids = list(gw.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    prompt_ids = await gw.offload.chat_ids(messages)
     max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len, None)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    _check_logprob_volume(gw, req.n, max_tokens, logprobs, req.stream)
     rid = "chatcmpl-" + secrets.token_hex(12)
     gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids,
                      gw.settings.retry_after_s)
-    await gen.start()
+    await _start(gw, gen, owner)
     created = int(time.time())
     if req.stream:
         # The background close also aborts a request whose client left before the stream began.
-        return EventStream(_ending_with_error(_chat_stream(gw, gen, req, rid, created, model)), ping=10,
-                                   background=BackgroundTask(gen.close))
-    got = await _collect(request, gen)
-    toks = _Tokens(gw.engine.tokenizer)
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
-                "logprobs": {"content": toks.chat(got.tokens[i], got.lps[i], req.top_logprobs or 0)}
-                if req.logprobs else None,
-                "finish_reason": got.reasons.get(i)} for i in sorted(got.texts)]
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                         "choices": choices, "usage": _usage(got.last, len(prompt_ids))})
+        lease = _Lease(gw, owner)
+        return EventStream(_holding(lease, _ending_with_error(_chat_stream(gw, gen, req, rid, created, model))),
+                           ping=10, send_timeout=gw.settings.sse_send_timeout_s,
+                           background=BackgroundTask(_finish, gen, lease))
+    try:
+        got = await _collect(request, gen)
+    finally:
+        gw.quotas.end_stream(owner)
+
+    def build() -> dict[str, Any]:
+        toks = _Tokens(gw.engine.tokenizer)
+        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
+                    "logprobs": {"content": toks.chat_json(got.tokens[i], got.lps[i], req.top_logprobs or 0)}
+                    if req.logprobs else None,
+                    "finish_reason": got.reasons.get(i)} for i in sorted(got.texts)]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(got.last, len(prompt_ids))}
+
+    return await _json_response(gw, build)
 
 
 @dataclass
@@ -186,14 +258,14 @@ async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest,
 
 async def completions(request: Request) -> Response:
     gw = gateway(request)
-    gw.auth.from_http(request.headers)
+    owner = gw.auth.from_http(request.headers)
     req = parse(CompletionRequest, await read_json(request, gw.settings.max_body_bytes))
     model = gw.check_model(req.model)
     _check_n(gw, req.n)
     tok = gw.engine.tokenizer
     if isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
         prompt_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
-        prompt_ids = list(tok.encode(prompt_text, add_special_tokens=True))
+        prompt_ids = await gw.offload.encode(prompt_text)
     else:
         prompt_ids = [int(t) for t in req.prompt]
         if any(t < 0 or t >= tok.vocab_size for t in prompt_ids):
@@ -202,22 +274,33 @@ async def completions(request: Request) -> Response:
     if not prompt_ids:
         raise APIError(400, "prompt must contain at least one token", code="invalid_value", param="prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), gw.engine.max_model_len, 16)
+    _check_logprob_volume(gw, req.n, max_tokens, req.logprobs, req.stream)
     rid = "cmpl-" + secrets.token_hex(12)
     gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, req.logprobs), prompt_ids,
                      gw.settings.retry_after_s)
-    await gen.start()
+    await _start(gw, gen, owner)
     created = int(time.time())
     echo = prompt_text if req.echo else ""
     if req.stream:
-        return EventStream(_ending_with_error(_completion_stream(gw, gen, req, rid, created, model, echo)), ping=10,
-                                   background=BackgroundTask(gen.close))
-    got = await _collect(request, gen, echo)
-    toks = _Tokens(tok)
-    choices = [{"index": i, "text": "".join(got.texts[i]), "finish_reason": got.reasons.get(i),
-                "logprobs": toks.completion(got.tokens[i], got.lps[i], req.logprobs or 0, len(echo))
-                if req.logprobs is not None else None} for i in sorted(got.texts)]
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                         "choices": choices, "usage": _usage(got.last, len(prompt_ids))})
+        lease = _Lease(gw, owner)
+        return EventStream(_holding(lease, _ending_with_error(_completion_stream(gw, gen, req, rid, created, model,
+                                                                                 echo))),
+                           ping=10, send_timeout=gw.settings.sse_send_timeout_s,
+                           background=BackgroundTask(_finish, gen, lease))
+    try:
+        got = await _collect(request, gen, echo)
+    finally:
+        gw.quotas.end_stream(owner)
+
+    def build() -> dict[str, Any]:
+        toks = _Tokens(tok)
+        choices = [{"index": i, "text": "".join(got.texts[i]), "finish_reason": got.reasons.get(i),
+                    "logprobs": toks.completion(got.tokens[i], got.lps[i], req.logprobs or 0, len(echo), True)
+                    if req.logprobs is not None else None} for i in sorted(got.texts)]
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(got.last, len(prompt_ids))}
+
+    return await _json_response(gw, build)
 
 
 async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionRequest, rid: str, created: int,

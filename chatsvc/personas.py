@@ -1,12 +1,23 @@
 """Personas: named system prompts. Each one's chat-templated system prefix is pinned in the engine's
-prefix cache while the persona exists, so every session of a persona shares the same KV blocks."""
+prefix cache, so every session of a persona shares the same KV blocks.
+
+Shared personas (written by admin keys) are visible to everyone; any other key's personas are its own
+(``owner:{owner}:personas`` in Redis), so names never collide across owners and an owner's persona shadows
+a shared one of the same name for that owner only. Pins may hold at most ``max_pinned_fraction`` of the
+KV pool: past it the least recently used persona is unpinned (it still works, its prefix is just not
+kept), and a persona that alone would exceed it is refused before anything is stored."""
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+from collections import OrderedDict
 from typing import Any
 
-from chatsvc.store import Store
+from chatsvc.errors import APIError
+from chatsvc.settings import Settings
+from chatsvc.store import P, Store
 from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.personas")
@@ -58,33 +69,154 @@ def system_prefix_ids(tokenizer: Any, system_prompt: str) -> list[int]:
     return list(full[:n])
 
 
-def pin_key(name: str) -> str:
-    return f"persona:{name}"
+SHARED = "shared"
+
+
+def pin_key(name: str, owner: str | None = None) -> str:
+    """The engine's pin key: ``persona:{name}`` for a shared persona, ``persona:{owner}:{name}`` for an owner's."""
+    return f"persona:{name}" if owner is None else f"persona:{owner}:{name}"
+
+
+def _own_key(owner: str) -> str:
+    return f"{P}owner:{owner}:personas"
 
 
 class Personas:
-    """Keeps the engine's pinned prefixes in step with the personas stored in Redis."""
+    """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
-    def __init__(self, engine: EngineClient, store: Store) -> None:
+    def __init__(self, engine: EngineClient, store: Store, settings: Settings | None = None) -> None:
         self.engine = engine
         self.store = store
-        self.pinned: dict[str, int] = {}  # persona name -> pinned tokens
+        self.settings = settings or Settings()
+        # pin key -> pinned tokens, least recently used first.
+        self.pinned: OrderedDict[str, int] = OrderedDict()
 
+    # -- storage ----------------------------------------------------------------------------------
+    async def get(self, owner: str, name: str) -> tuple[str, dict[str, str]] | None:
+        """(scope, body) of the persona ``owner`` sees under ``name`` (their own first); marks it used."""
+        raw = await self.store.r.hget(_own_key(owner), name)
+        if raw is not None:
+            self._touch(pin_key(name, owner))
+            return owner, json.loads(raw)
+        body = await self.store.get_persona(name)
+        if body is None:
+            return None
+        self._touch(pin_key(name))
+        return SHARED, body
+
+    async def visible(self, owner: str) -> list[dict[str, Any]]:
+        own = {n: json.loads(b) for n, b in (await self.store.r.hgetall(_own_key(owner))).items()}
+        shared = await self.store.list_personas()
+        out = [{"name": n, **b, "scope": "own", "pinned_tokens": self.pinned.get(pin_key(n, owner), 0)}
+               for n, b in own.items()]
+        out += [{"name": n, **b, "scope": SHARED, "pinned_tokens": self.pinned.get(pin_key(n), 0)}
+                for n, b in shared.items() if n not in own]
+        return out
+
+    async def put(self, owner: str, admin: bool, name: str, body: dict[str, str]) -> tuple[bool, int]:
+        """Store and pin a persona (shared when written by an admin); (created, pinned tokens).
+
+        Everything that can refuse it runs first, so a refused persona leaves nothing behind."""
+        ids = system_prefix_ids(self.engine.tokenizer, body["system_prompt"])
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise APIError(400, f"the persona's prompt is {len(ids)} tokens; the context is {limit}",
+                           code="context_length_exceeded", param="system_prompt")
+        if self._blocks(len(ids)) > self._cap_blocks():
+            raise APIError(413, f"the persona's prompt ({len(ids)} tokens) alone exceeds the share of the KV "
+                           f"cache personas may pin ({self.settings.max_pinned_fraction:.0%})",
+                           code="persona_too_large", param="system_prompt")
+        if admin:
+            created = await self.store.put_persona(name, body)
+            key = pin_key(name)
+        else:
+            own = _own_key(owner)
+            count = int(await self.store.r.hlen(own))
+            if count >= self.settings.max_personas_per_key and not await self.store.r.hexists(own, name):
+                raise APIError(403, f"at most {self.settings.max_personas_per_key} personas per key",
+                               code="persona_limit_reached")
+            created = bool(await self.store.r.hset(own, name, json.dumps(body)))
+            key = pin_key(name, owner)
+        return created, await self._pin(key, ids)
+
+    async def delete(self, owner: str, admin: bool, name: str) -> bool:
+        """Delete the caller's own persona of that name, else (admins only) the shared one."""
+        if await self.store.r.hdel(_own_key(owner), name):
+            self._unpin(pin_key(name, owner))
+            return True
+        if not admin:
+            if await self.store.get_persona(name) is not None:
+                raise APIError(403, "shared personas can only be changed with an admin key",
+                               code="admin_required")
+            return False
+        if await self.store.delete_persona(name):
+            self._unpin(pin_key(name))
+            return True
+        return False
+
+    def key_for(self, owner: str, name: str, scope: str) -> str:
+        return pin_key(name) if scope == SHARED else pin_key(name, owner)
+
+    def session_pin_key(self, owner: str, name: str) -> str:
+        """The pin a session of ``owner`` with persona ``name`` uses (their own persona shadows a shared one)."""
+        own = pin_key(name, owner)
+        return own if own in self.pinned else pin_key(name)
+
+    # -- pins -------------------------------------------------------------------------------------
     async def sync(self) -> None:
-        """Seed defaults (once per Redis) and pin every stored persona."""
+        """Seed defaults (once per Redis) and pin every shared persona; one that fails is skipped (logged), so
+        a bad stored persona never stops the others. Owners' personas are pinned when written."""
         await self.store.seed_personas(DEFAULT_PERSONAS)
         for name, body in (await self.store.list_personas()).items():
-            await self.pin(name, body["system_prompt"])
+            try:
+                ids = system_prefix_ids(self.engine.tokenizer, body["system_prompt"])
+                if len(ids) >= self.engine.max_model_len:
+                    raise ValueError(f"{len(ids)} prompt tokens do not fit the context ({self.engine.max_model_len})")
+                await self._pin(pin_key(name), ids)
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong with one persona, the rest are pinned
+                log.error("persona %r not pinned: %s", name, exc)
 
     async def pin(self, name: str, system_prompt: str) -> int:
-        if name in self.pinned:
-            await self.unpin(name)
-        ids = system_prefix_ids(self.engine.tokenizer, system_prompt)
-        n = await self.engine.pin_prefix(pin_key(name), ids)
-        self.pinned[name] = n
-        log.info("persona %r: %d prompt tokens, %d pinned", name, len(ids), n)
-        return n
+        """Pin a shared persona's prefix (used by tests and tools; routes go through :meth:`put`)."""
+        return await self._pin(pin_key(name), system_prefix_ids(self.engine.tokenizer, system_prompt))
 
     async def unpin(self, name: str) -> None:
-        if self.pinned.pop(name, None) is not None:
-            self.engine.unpin_prefix(pin_key(name))
+        self._unpin(pin_key(name))
+
+    async def _pin(self, key: str, ids: list[int]) -> int:
+        self._unpin(key)
+        need = self._blocks(len(ids))
+        if need > self._cap_blocks():
+            log.warning("%s: %d prompt tokens exceed the pin cap; not pinned", key, len(ids))
+            return 0
+        while self.pinned and self._pinned_blocks() + need > self._cap_blocks():
+            victim = next(iter(self.pinned))
+            log.info("unpinning %s (least recently used) to stay under the pin cap", victim)
+            self._unpin(victim)
+        n = await self.engine.pin_prefix(key, ids)
+        self.pinned[key] = n
+        log.info("%s: %d prompt tokens, %d pinned", key, len(ids), n)
+        return n
+
+    def _unpin(self, key: str) -> None:
+        if self.pinned.pop(key, None) is not None:
+            self.engine.unpin_prefix(key)
+
+    def _touch(self, key: str) -> None:
+        if key in self.pinned:
+            self.pinned.move_to_end(key)
+
+    def _block_size(self) -> int:
+        return int(self.engine.kv_snapshot().get("block_size") or 16)
+
+    def _blocks(self, tokens: int) -> int:
+        return math.ceil(tokens / self._block_size())
+
+    def _pinned_blocks(self) -> int:
+        return sum(self._blocks(n) for n in self.pinned.values())
+
+    def _cap_blocks(self) -> int:
+        total = int(self.engine.stats().get("kv_blocks_total", 0))
+        if total <= 0:  # the pool size is not known yet (no stats published): nothing to measure against
+            return 1 << 30
+        return int(total * self.settings.max_pinned_fraction)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatsvc.errors import APIError
 from engine.request import SamplingParams
@@ -15,22 +16,54 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+INT32_MAX = 2**31 - 1
+MAX_STOP_CHARS = 256  # the detokenizer holds back up to this much text per token while it might match
+
+# Fields that change behaviour elsewhere; silently ignoring them would return something the caller did not
+# ask for. Each maps to the test that says a value is the default (so it may be sent and is harmless).
+_UNSUPPORTED: dict[str, Any] = {
+    "logit_bias": lambda v, d: not v,
+    "response_format": lambda v, d: v is None or v == {"type": "text"},
+    "tools": lambda v, d: not v,
+    "tool_choice": lambda v, d: v in (None, "none"),
+    "functions": lambda v, d: not v,
+    "function_call": lambda v, d: v in (None, "none"),
+    "best_of": lambda v, d: v is None or v == d.get("n", 1),
+    "suffix": lambda v, d: not v,
+    "guided_json": lambda v, d: v is None,
+    "guided_regex": lambda v, d: v is None,
+    "guided_choice": lambda v, d: v is None,
+    "guided_grammar": lambda v, d: v is None,
+}
+
+
 class SamplingFields(_Lenient):
     """Sampling knobs shared by the OpenAI routes, session messages and WebSocket frames."""
 
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
-    seed: int | None = None
+    # Near 0 it divides logits by ~0 (inf, then NaN); far above any useful value it does the same the other way.
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, harmless in _UNSUPPORTED.items():
+                if name in data and not harmless(data[name], data):
+                    raise APIError(400, f"'{name}' is not supported by this server", code="unsupported_parameter",
+                                   param=name)
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -40,6 +73,8 @@ class SamplingFields(_Lenient):
             raise ValueError("stop strings must be non-empty")
         if len(items) > 8:
             raise ValueError("at most 8 stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
         return v
 
     def sampling_params(self, max_tokens: int, n: int = 1, logprobs: int | None = None) -> SamplingParams:
@@ -170,3 +205,20 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
                        f"maximum context length of {max_model_len} tokens", code="context_length_exceeded",
                        param="max_tokens")
     return requested
+
+
+SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# "turn:stream-id", a bare stream id, or "turn:" (a Redis stream id is "ms-seq", "ms" alone or "0").
+EVENT_ID = re.compile(r"^(?:\d{1,9}:)?(?:\d{1,20}(?:-\d{1,20})?)?$")
+
+
+def check_session_id(sid: str) -> None:
+    """A session id the store never issued (``<id>:messages``, ``../x``) is a 404, never a store lookup."""
+    if not SESSION_ID.match(sid):
+        raise APIError(404, f"session {sid[:80]!r} not found", code="session_not_found", param="session_id")
+
+
+def check_event_id(value: str | None, param: str = "after") -> None:
+    if value and not EVENT_ID.match(value):
+        raise APIError(400, f"{param} must be an event id ('turn:stream-id') as sent in a reply",
+                       code="invalid_value", param=param)

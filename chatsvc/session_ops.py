@@ -13,7 +13,7 @@ from typing import Any
 from chatsvc.context import Gateway
 from chatsvc.errors import APIError
 from chatsvc.personas import DEFAULT_PERSONA
-from chatsvc.schemas import SessionMessage
+from chatsvc.schemas import SessionMessage, check_event_id, check_session_id
 from chatsvc.store import SessionMeta
 from chatsvc.turns import ActiveTurn, parse_event_id
 
@@ -23,6 +23,7 @@ def session_not_found(sid: str) -> APIError:
 
 
 async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
+    check_session_id(sid)
     meta = await gw.store.get_session(sid, owner)
     if meta is None:
         raise session_not_found(sid)
@@ -30,10 +31,12 @@ async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
 
 
 async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None) -> SessionMeta:
+    gw.quotas.new_session(owner)
     name = persona or DEFAULT_PERSONA
-    body = await gw.store.get_persona(name)
-    if body is None:
+    found = await gw.personas.get(owner, name)
+    if found is None:
         raise APIError(404, f"persona {name!r} not found", code="persona_not_found", param="persona")
+    body = found[1]
     # The prompt is copied so later edits of the persona do not rewrite existing conversations.
     return await gw.store.create_session(owner, name, body["system_prompt"], title or "")
 
@@ -72,14 +75,17 @@ class ReplyReader:
 
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
+    gw.quotas.check_stream(meta.owner, gw.session_turns(meta.owner))
     at = await gw.turns.start(meta, req.content, req)
     return ReplyReader(gw, meta.id, at.turn, "0", at)
 
 
 async def resume(gw: Gateway, meta: SessionMeta, last_event_id: str | None) -> ReplyReader:
     """(Re)attach to a reply after the last event id seen (``"turn:stream-id"``; none: the latest turn)."""
+    check_event_id(last_event_id)
     turn, after = parse_event_id(last_event_id)
     turn = meta.turns if turn is None else turn
+    gw.quotas.check_readers(gw.turns.active.get(meta.id))
     at = gw.turns.attach(meta.id, turn)
     if at is None and not await gw.store.stream_exists(meta.id, turn):
         raise APIError(404, "no reply to resume (finished and expired, or never started)", code="stream_not_found")

@@ -1,10 +1,10 @@
-"""HTTP routes for personas and sessions; session replies stream as SSE events that carry ids.
+"""HTTP routes for sessions; session replies stream as SSE events that carry ids (personas are in
+:mod:`chatsvc.persona_routes`).
 
 The session logic itself is in :mod:`chatsvc.session_ops`, shared with the WebSocket transport."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 
 from starlette.background import BackgroundTask
@@ -14,43 +14,8 @@ from starlette.routing import Route
 
 from chatsvc import session_ops as ops
 from chatsvc.context import Gateway, gateway, parse, read_json
-from chatsvc.errors import APIError
-from chatsvc.schemas import PersonaBody, SessionCreate, SessionMessage
+from chatsvc.schemas import SessionCreate, SessionMessage
 from chatsvc.wire import EventStream, sse_event
-
-PERSONA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-# -- personas --------------------------------------------------------------------------------------
-async def list_personas(request: Request) -> JSONResponse:
-    gw = gateway(request)
-    gw.auth.from_http(request.headers, request.query_params)
-    personas = await gw.store.list_personas()
-    data = [{"name": n, **b, "pinned_tokens": gw.personas.pinned.get(n, 0)} for n, b in personas.items()]
-    return JSONResponse({"object": "list", "data": data})
-
-
-async def persona(request: Request) -> Response:
-    gw = gateway(request)
-    gw.auth.from_http(request.headers, request.query_params)
-    name = request.path_params["name"]
-    if not PERSONA_NAME.match(name):
-        raise APIError(400, "persona names are 1-64 characters of letters, digits, '_', '-', '.'",
-                       code="invalid_value", param="name")
-    if request.method == "GET":
-        body = await gw.store.get_persona(name)
-        if body is None:
-            raise APIError(404, f"persona {name!r} not found", code="persona_not_found")
-        return JSONResponse({"name": name, **body, "pinned_tokens": gw.personas.pinned.get(name, 0)})
-    if request.method == "DELETE":
-        if not await gw.store.delete_persona(name):
-            raise APIError(404, f"persona {name!r} not found", code="persona_not_found")
-        await gw.personas.unpin(name)
-        return JSONResponse({"name": name, "deleted": True})
-    req = parse(PersonaBody, await read_json(request, gw.settings.max_body_bytes))
-    created = await gw.store.put_persona(name, req.model_dump())
-    pinned = await gw.personas.pin(name, req.system_prompt)
-    return JSONResponse({"name": name, **req.model_dump(), "pinned_tokens": pinned}, status_code=201 if created else 200)
 
 
 # -- sessions --------------------------------------------------------------------------------------
@@ -114,7 +79,9 @@ def _sse_response(gw: Gateway, reader: ops.ReplyReader) -> Response:
             reader.release()
 
     # The background release also covers a client gone before the generator ever started.
-    return EventStream(events(), ping=10, background=BackgroundTask(reader.release))
+    # A reader that stops reading (full TCP window) is detached after the send timeout, like one that left.
+    return EventStream(events(), ping=10, background=BackgroundTask(reader.release),
+                       send_timeout=gw.settings.sse_send_timeout_s)
 
 
 async def cancel_reply(request: Request) -> JSONResponse:
@@ -125,8 +92,6 @@ async def cancel_reply(request: Request) -> JSONResponse:
 
 
 routes = [
-    Route("/v1/personas", list_personas, methods=["GET"]),
-    Route("/v1/personas/{name}", persona, methods=["GET", "PUT", "DELETE"]),
     Route("/v1/sessions", sessions, methods=["GET", "POST"]),
     Route("/v1/sessions/{sid}", session, methods=["GET", "DELETE"]),
     Route("/v1/sessions/{sid}/messages", post_message, methods=["POST"]),

@@ -15,18 +15,20 @@ def default_data_dir() -> Path:
     return Path(base) / "chatsvc"
 
 
-def api_keys_from_env() -> tuple[str, ...]:
-    raw = os.environ.get("CHATSVC_API_KEYS", "")
+def api_keys_from_env(name: str = "CHATSVC_API_KEYS") -> tuple[str, ...]:
+    raw = os.environ.get(name, "")
     return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
 @dataclass(frozen=True)
 class Settings:
     # Empty = no auth: every caller is the same anonymous owner.
     api_keys: tuple[str, ...] = ()
-    # fnmatch patterns for WebSocket Origins, on top of "same host as the server".
-    allowed_origins: tuple[str, ...] = ("http://localhost:*", "http://127.0.0.1:*", "http://localhost",
-                                        "http://127.0.0.1")
+    # fnmatch patterns for browser Origins (WebSocket, state-changing HTTP) besides the server's own origin.
+    allowed_origins: tuple[str, ...] = ()
     session_ttl_s: int = 7 * 24 * 3600
     # Reply streams only exist for resuming a reply, so they expire soon after it ends.
     stream_ttl_s: int = 300
@@ -41,3 +43,27 @@ class Settings:
     retry_after_s: int = 1
     kv_stream_interval_s: float = 0.25
     web_dir: Path | None = None
+    # fnmatch patterns for the Host header's name (DNS rebinding); "*" accepts any.
+    allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
+    # Keys that may also write the shared personas (each is an API key too).
+    admin_keys: tuple[str, ...] = ()
+    max_personas_per_key: int = 16
+    # Share of the device KV pool persona pins may hold; past it the least recently used are unpinned.
+    max_pinned_fraction: float = 0.25
+    # When set, /metrics needs it as a bearer token.
+    metrics_key: str | None = None
+    # A non-streamed reply with logprobs is built whole: n x max_tokens x (1 + top) entries at most.
+    max_logprob_entries: int = 200_000
+    # Per-key quotas (only with API keys).
+    max_streams_per_key: int = 8
+    max_sessions_per_minute: int = 30
+    max_sockets_per_key: int = 16
+    # A WebSocket must authenticate within this, is closed after this long without a frame while no reply
+    # streams, and may send this many frames a second (bursts of twice that).
+    ws_auth_timeout_s: float = 10.0
+    ws_idle_timeout_s: float = 600.0
+    ws_frames_per_second: float = 20.0
+    max_readers_per_reply: int = 8
+    # An SSE send that does not complete in this long (a reader whose TCP window stays full) ends the
+    # stream: its generation is aborted, or its session turn loses a reader (grace/abort rules).
+    sse_send_timeout_s: float = 30.0

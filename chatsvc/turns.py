@@ -38,6 +38,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
+from chatsvc.history import fit_conversation
 from chatsvc.metrics import Metrics
 from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
@@ -78,6 +79,8 @@ class ActiveTurn:
     turn: int
     request_id: str
     persona: str
+    truncated_turns: int = 0  # oldest turns left out of the prompt to fit the context
+    owner: str = ""  # whose session: /v1/kv names only the caller's own requests
     readers: int = 1
     task: asyncio.Task[None] | None = None
     grace: asyncio.Task[None] | None = None
@@ -155,10 +158,9 @@ class TurnRegistry:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         history = await self.store.messages(meta.id)
         tok = self.engine.tokenizer
-        conversation = [{"role": "system", "content": meta.system_prompt}]
-        conversation += [{"role": m["role"], "content": m["content"]} for m in history]
-        conversation.append({"role": "user", "content": content})
-        prompt_ids = list(tok.apply_chat_template(conversation, add_generation_prompt=True))
+        max_len = self.engine.max_model_len
+        room = sampling.max_tokens or min(self.settings.default_session_max_tokens, max_len // 4)
+        prompt_ids, truncated = fit_conversation(tok, meta.system_prompt, history, content, max_len, room)
         max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
                                         self.settings.default_session_max_tokens)
         params = sampling.sampling_params(max_tokens)
@@ -171,7 +173,8 @@ class TurnRegistry:
                            param="session_id") from exc
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
-        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona)
+        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona, truncated_turns=truncated,
+                        owner=meta.owner)
         gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.active[meta.id] = at
@@ -243,7 +246,9 @@ class TurnRegistry:
         try:
             deadline = time.monotonic() + self.store_retry_s
             at.stored = await self._retrying(at, deadline, lambda: self.store.end_turn(at.session_id, at.turn, msg))
-            done = {"type": "done", "finish_reason": reason, "usage": u, "message": msg}
+            done: dict[str, Any] = {"type": "done", "finish_reason": reason, "usage": u, "message": msg}
+            if at.truncated_turns:
+                done["truncated_turns"] = at.truncated_turns
             await self._retrying(at, deadline, lambda: self._write_final(at, key, done))
         except Exception:
             log.exception("could not store the reply of %s", at.request_id)

@@ -14,9 +14,10 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from chatsvc import session_ops as ops
-from chatsvc.auth import bearer, origin_allowed, ws_key_from_protocols
-from chatsvc.context import Gateway, gateway, parse
+from chatsvc.auth import bearer, host_allowed, origin_allowed, ws_key_from_protocols
+from chatsvc.context import Gateway, decode_json, gateway, parse
 from chatsvc.errors import APIError
+from chatsvc.quotas import FrameBudget
 from chatsvc.schemas import SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.wire import delta_frame
@@ -37,6 +38,7 @@ class Connection:
         self.send_lock = asyncio.Lock()
         self.pump: asyncio.Task[None] | None = None
         self.reader: ops.ReplyReader | None = None
+        self.counted: str | None = None  # the owner whose socket quota this socket holds
 
     async def send(self, frame: dict[str, Any]) -> None:
         await self.send_text(json.dumps(frame))
@@ -77,7 +79,9 @@ class Connection:
     async def hello(self, frame: dict[str, Any]) -> None:
         if self.owner is None:
             key = frame.get("api_key")
-            self.owner = self.gw.auth.check_key(key if isinstance(key, str) else None)
+            owner = self.gw.auth.check_key(key if isinstance(key, str) else None)
+            self.claim_socket(owner)
+            self.owner = owner
         sid, persona = frame.get("session_id"), frame.get("persona")
         if sid is not None and not isinstance(sid, str) or persona is not None and not isinstance(persona, str):
             raise APIError(400, "session_id and persona must be strings", code="invalid_value")
@@ -95,6 +99,15 @@ class Connection:
         return (r is not None and self.pump is not None and not self.pump.done() and r.session_id == meta.id
                 and r.turn == meta.turns)
 
+    def claim_socket(self, owner: str) -> None:
+        """Count this socket against its owner's quota (429 past it)."""
+        self.gw.quotas.open_socket(owner)
+        self.counted = owner
+
+    @property
+    def streaming(self) -> bool:
+        return self.pump is not None and not self.pump.done()
+
     def _follow(self, reader: ops.ReplyReader) -> None:
         self._stop_pump(abort_now=False)
         self.reader = reader
@@ -107,7 +120,8 @@ class Connection:
                     await self.send_text(delta_frame(ev["text"], eid))
                 elif ev["type"] == "done":
                     await self.send({"type": "done", "finish_reason": ev["finish_reason"], "usage": ev["usage"],
-                                     "id": eid, "message": ev.get("message")})
+                                     "id": eid, "message": ev.get("message"),
+                                     **({"truncated_turns": ev["truncated_turns"]} if "truncated_turns" in ev else {})})
                 else:
                     await self.send({"type": "error", "code": ev.get("code", "error"),
                                      "message": ev.get("message", ""), "id": eid})
@@ -138,9 +152,10 @@ class Connection:
 
 async def ws_endpoint(websocket: WebSocket) -> None:
     gw = gateway(websocket)
-    if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"),
-                          gw.settings.allowed_origins):
-        await websocket.close(code=1008, reason="origin not allowed")  # before accept: HTTP 403
+    host = websocket.headers.get("host")
+    if not host_allowed(host, gw.settings.allowed_hosts) or not origin_allowed(
+            websocket.headers.get("origin"), host, gw.settings.allowed_origins):
+        await websocket.close(code=1008, reason="host or origin not allowed")  # before accept: HTTP 403
         return
     key, subprotocol = ws_key_from_protocols(websocket.headers)
     key = key or bearer(websocket.headers)
@@ -152,21 +167,57 @@ async def ws_endpoint(websocket: WebSocket) -> None:
             await websocket.close(code=1008, reason="invalid API key")
             return
     await websocket.accept(subprotocol=subprotocol)
-    conn = Connection(websocket, gw, owner)
+    conn = Connection(websocket, gw, None)
+    if owner is not None:
+        try:
+            conn.claim_socket(owner)
+        except APIError as exc:
+            await conn.error(exc.code or "quota_exceeded", exc.message)
+            await websocket.close(code=1008, reason="too many open WebSockets")
+            return
+        conn.owner = owner
     gw.metrics.open_ws.inc()
     code = 1006
+    budget = FrameBudget(gw.settings.ws_frames_per_second)
+    opened = asyncio.get_running_loop().time()
     try:
         while True:
-            msg = await websocket.receive()
+            msg = await _receive(conn, opened)
+            if msg is None:  # not authenticated in time, or idle with nothing streaming
+                code = 1008 if conn.owner is None else 1000
+                await websocket.close(code=code, reason="authentication timeout" if code == 1008 else "idle")
+                break
             if msg["type"] == "websocket.disconnect":
                 code = int(msg.get("code") or 1000)
                 break
+            if not budget.take():
+                await conn.error("rate_limited", "too many frames; slow down")
+                continue
             await _dispatch(conn, msg)
     except WebSocketDisconnect as exc:
         code = exc.code
     finally:
         gw.metrics.open_ws.dec()
+        if conn.counted is not None:
+            gw.quotas.close_socket(conn.counted)
         await conn.close(code)
+
+
+async def _receive(conn: Connection, opened: float) -> Mapping[str, Any] | None:
+    """The next message, or None once the socket has had its time: an unauthenticated one
+    ``ws_auth_timeout_s`` after it opened, an idle one (no frame, no reply streaming) ``ws_idle_timeout_s``."""
+    settings = conn.gw.settings
+    loop = asyncio.get_running_loop()
+    while True:
+        if conn.owner is None:
+            timeout = opened + settings.ws_auth_timeout_s - loop.time()
+        else:
+            timeout = settings.ws_idle_timeout_s
+        try:
+            return await asyncio.wait_for(conn.ws.receive(), max(timeout, 0.0))
+        except TimeoutError:
+            if conn.owner is None or not conn.streaming:
+                return None
 
 
 async def _dispatch(conn: Connection, msg: Mapping[str, Any]) -> None:
@@ -179,14 +230,9 @@ async def _dispatch(conn: Connection, msg: Mapping[str, Any]) -> None:
         await conn.error("frame_too_large", f"frames are limited to {limit} bytes")
         return
     try:
-        frame = json.loads(text)
-    except json.JSONDecodeError as exc:
-        await conn.error("invalid_json", f"malformed JSON: {exc}")
-        return
-    if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
-        await conn.error("invalid_frame", "a frame is a JSON object with a string 'type'")
-        return
-    try:
+        frame = decode_json(text)
+        if not isinstance(frame, dict) or not isinstance(frame.get("type"), str):
+            raise APIError(400, "a frame is a JSON object with a string 'type'", code="invalid_frame")
         await conn.handle(frame)
     except APIError as exc:
         await conn.error(exc.code or str(exc.status), exc.message)
@@ -194,6 +240,9 @@ async def _dispatch(conn: Connection, msg: Mapping[str, Any]) -> None:
         await conn.error("redis_unavailable", f"session store unavailable: {type(exc).__name__}")
     except EngineDeadError:  # restarting: the socket stays open, the client may send the message again
         await conn.error("engine_unavailable", "the engine is not running; retry shortly")
+    except Exception:  # a bug must cost the client one frame, not its socket
+        log.exception("error handling a WebSocket frame")
+        await conn.error("internal_error", "internal server error")
 
 
 routes = [WebSocketRoute("/v1/ws", ws_endpoint)]

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -92,7 +93,38 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes the special tokens itself, so none are added on encoding (as transformers does).
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        if not any(self._has_control_token(m.get("content")) for m in messages):
+            return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self._chat_with_literal_contents(messages, add_generation_prompt)
+
+    def _has_control_token(self, content: object) -> bool:
+        return isinstance(content, str) and any(t in content for t in self._control_tokens())
+
+    def _control_tokens(self) -> list[str]:
+        return [t.content for t in self._original.added_tokens_decoder.values() if t.special]
+
+    def _chat_with_literal_contents(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        """The template with message contents encoded as plain text: a user who types ``<|im_end|>`` gets
+        the characters, never the control token, so they cannot forge a turn of another role. Only
+        messages that contain a control token are encoded apart (the rest tokenize exactly as before)."""
+        marker = f"\x00{secrets.token_hex(8)}\x00"
+        contents: list[str] = []
+        templated = []
+        for m in messages:
+            if self._has_control_token(m.get("content")):
+                templated.append({**m, "content": f"{marker}{len(contents)}{marker}"})
+                contents.append(str(m["content"]))
+            else:
+                templated.append(m)
+        pieces = self.render_chat(templated, add_generation_prompt).split(marker)
+        ids: list[int] = []
+        # split() alternates template text and (between a pair of markers) a content index.
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self.encode(piece, add_special_tokens=False)
+            else:
+                ids += self.hf.encode(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)
+        return ids
 
 
 def gguf_tokenizer_dir(gguf_path: str | Path) -> Path:

@@ -166,7 +166,8 @@ def fake_gateway(redis_url: str, tokenizer_dir: Path, max_model_len: int = 512,
 
     redis.Redis.from_url(redis_url).flushdb()
     engine = FakeEngine(tiny_tokenizer(tokenizer_dir), max_model_len=max_model_len)
-    app = create_app(engine, Store.from_url(redis_url), Settings(web_dir=Path("/nonexistent"), **settings))
+    app = create_app(engine, Store.from_url(redis_url), Settings(web_dir=Path("/nonexistent"),
+                                                                   **{"max_pinned_fraction": 1.0, **settings}))
     with LiveServer(app) as live:
         wait_for(lambda: len(app.state.gateway.personas.pinned) >= 3, timeout=30)
         live.engine = engine  # type: ignore[attr-defined]

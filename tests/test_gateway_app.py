@@ -144,7 +144,7 @@ async def test_ws_three_turns_with_persona_reuse_earlier_turns(server: LiveServe
 
 
 async def test_sessions_of_one_persona_share_its_pinned_blocks(server: LiveServer) -> None:
-    pinned = server.gateway.personas.pinned["tutor"]
+    pinned = server.gateway.personas.pinned["persona:tutor"]
     assert pinned >= BLOCK
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         sids = [(await http.post("/v1/sessions", json={"persona": "tutor"})).json()["id"] for _ in range(3)]
@@ -350,7 +350,7 @@ async def test_kv_stream_reports_a_sessions_blocks(server: LiveServer) -> None:
                 if watcher.done():
                     break
         await asyncio.wait_for(watcher, 30)
-    pinned = server.gateway.personas.pinned["pirate"]
+    pinned = server.gateway.personas.pinned["persona:pirate"]
     # The reply's block table starts with the persona's pinned blocks.
     assert len(persona_blocks) == pinned // BLOCK and seen[: len(persona_blocks)] == persona_blocks
 
@@ -377,7 +377,7 @@ def test_ws_bad_origin_is_refused(server: LiveServer) -> None:
     with pytest.raises(websockets.exceptions.InvalidStatus) as e:
         sync_connect(server.ws_url + "/v1/ws", origin="https://evil.example")  # type: ignore[arg-type]
     assert e.value.response.status_code == 403
-    with sync_connect(server.ws_url + "/v1/ws", origin="http://localhost:3000") as ws:  # type: ignore[arg-type]
+    with sync_connect(server.ws_url + "/v1/ws", origin=server.url) as ws:  # type: ignore[arg-type]
         ws.send(json.dumps({"type": "hello"}))
         assert json.loads(ws.recv())["type"] == "session"
 

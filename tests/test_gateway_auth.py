@@ -3,31 +3,46 @@ from __future__ import annotations
 import pytest
 from starlette.datastructures import Headers, QueryParams
 
-from chatsvc.auth import ANON, Auth, origin_allowed, owner_id, ws_key_from_protocols
+from chatsvc.auth import ANON, Auth, host_allowed, origin_allowed, owner_id, ws_key_from_protocols
 from chatsvc.errors import APIError
-from chatsvc.settings import Settings
+from chatsvc.settings import LOOPBACK_HOSTS, Settings
 
 PATTERNS = Settings().allowed_origins
+SECRET = b"s" * 32
 
 
 def test_no_keys_means_everyone_is_anonymous() -> None:
-    assert Auth(()).from_http(Headers({})) == ANON
+    auth = Auth(())
+    assert auth.from_http(Headers({})) == ANON and auth.is_admin(ANON)
 
 
 def test_keys_are_checked_and_owners_differ() -> None:
-    auth = Auth(("k1", "k2"))
-    assert auth.from_http(Headers({"authorization": "Bearer k1"})) == owner_id("k1")
-    assert owner_id("k1") != owner_id("k2")
-    assert auth.from_http(Headers({}), QueryParams("api_key=k2")) == owner_id("k2")
+    auth = Auth(("k1", "k2"), admin_keys=("adm",))
+    with pytest.raises(APIError) as e:  # the owner ids need the server secret first
+        auth.from_http(Headers({"authorization": "Bearer k1"}))
+    assert e.value.status == 503
+    auth.set_secret(SECRET)
+    assert auth.from_http(Headers({"authorization": "Bearer k1"})) == owner_id("k1", SECRET)
+    assert owner_id("k1", SECRET) != owner_id("k2", SECRET) and owner_id("k1", SECRET) != owner_id("k1", b"other")
+    assert auth.is_admin(auth.check_key("adm")) and not auth.is_admin(auth.check_key("k1"))
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic k1"}):
         with pytest.raises(APIError) as e:
             auth.from_http(Headers(headers))
         assert e.value.status == 401
 
 
-def test_ws_protocol_key() -> None:
+def test_a_key_in_the_url_is_refused() -> None:
+    auth = Auth(("k2",))
+    auth.set_secret(SECRET)
+    with pytest.raises(APIError) as e:
+        auth.from_http(Headers({"authorization": "Bearer k2"}), QueryParams("api_key=k2"))
+    assert (e.value.status, e.value.code) == (400, "api_key_in_url")
+
+
+def test_ws_protocol_key_is_never_the_selected_protocol() -> None:
     key, proto = ws_key_from_protocols(Headers({"sec-websocket-protocol": "chatsvc, chatsvc.key.abc"}))
     assert (key, proto) == ("abc", "chatsvc")
+    assert ws_key_from_protocols(Headers({"sec-websocket-protocol": "chatsvc.key.abc"})) == ("abc", None)
     assert ws_key_from_protocols(Headers({})) == (None, None)
 
 
@@ -35,8 +50,10 @@ def test_ws_protocol_key() -> None:
     ("origin", "host", "ok"),
     [
         (None, "h:8000", True),
-        ("http://localhost:5173", "h:8000", True),
-        ("http://127.0.0.1:9", "h:8000", True),
+        ("http://h:8000", "h:8000", True),
+        ("http://localhost:5173", "h:8000", False),
+        ("http://localhost:5173", "localhost:8000", False),
+        ("http://127.0.0.1:9", "h:8000", False),
         ("https://chat.example.com", "chat.example.com", True),
         ("https://evil.example", "chat.example.com", False),
         ("http://localhost.evil.example:80", "h:8000", False),
@@ -45,3 +62,11 @@ def test_ws_protocol_key() -> None:
 )
 def test_origin(origin: str | None, host: str, ok: bool) -> None:
     assert origin_allowed(origin, host, PATTERNS) is ok
+
+
+@pytest.mark.parametrize(("host", "ok"), [("localhost:8000", True), ("127.0.0.1", True), ("[::1]:80", True),
+                                          ("evil.example", False), ("127.0.0.1.evil.example:80", False),
+                                          (None, False)])
+def test_host(host: str | None, ok: bool) -> None:
+    assert host_allowed(host, LOOPBACK_HOSTS) is ok
+    assert host_allowed(host, ("*",))

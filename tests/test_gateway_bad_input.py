@@ -34,8 +34,8 @@ def tiny_engine(tmp: Path, **kw: Any) -> Any:
     return AsyncEngine.from_args(model=str(make_tiny_model_dir(tmp)), num_kv_blocks=64, max_model_len=256, **kw)
 
 
-SETTINGS = Settings(api_keys=(KEY_A, KEY_B), max_body_bytes=4096, max_message_chars=2000, max_ws_frame_bytes=1024,
-                    max_n=4, abort_grace_s=0.2)
+SETTINGS = Settings(api_keys=(KEY_A, KEY_B), max_body_bytes=12_000, max_message_chars=2000, max_ws_frame_bytes=1024,
+                    max_n=4, abort_grace_s=0.2, max_pinned_fraction=1.0)  # the tiny tokenizer's personas are long
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("n-too-big", "POST", "/v1/chat/completions", chat(n=50), A, 400, "invalid_value"),
     ("unknown-model", "POST", "/v1/chat/completions", chat(model="gpt-17"), A, 404, "model_not_found"),
     ("token-id-out-of-range", "POST", "/v1/completions", {"prompt": [10**7]}, A, 400, "invalid_value"),
-    ("oversized-body", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 5000}]),
+    ("oversized-body", "POST", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "x" * 13_000}]),
      A, 413, "body_too_large"),
     ("missing-key", "POST", "/v1/chat/completions", chat(), {}, 401, "missing_api_key"),
     ("wrong-key", "POST", "/v1/chat/completions", chat(), {"Authorization": "Bearer nope"}, 401,
@@ -110,6 +110,39 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("unknown-session-message", "POST", "/v1/sessions/doesnotexist/messages", {"content": "hi"}, A, 404,
      "session_not_found"),
     ("unknown-route", "GET", "/v1/nothing-here", None, A, 404, None),
+    # JSON that Python's parser rejects or overflows on, and numbers no field can hold.
+    ("huge-int", "POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": '
+     + b"9" * 5000 + b"}", A, 400, "invalid_value"),
+    ("deep-nesting", "POST", "/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", A, 400,
+     "invalid_json"),
+    ("lone-surrogate-content", "POST", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', A, 400, "invalid_value"),
+    ("lone-surrogate-title", "POST", "/v1/sessions", b'{"title": "\\udc00"}', A, 400, "invalid_value"),
+    ("lone-surrogate-persona", "PUT", "/v1/personas/x", b'{"system_prompt": "a\\ud800b"}', A, 400,
+     "invalid_value"),
+    *[(f"non-finite-{field}-{lit.decode()}", "POST", "/v1/chat/completions",
+       b'{"messages": [{"role": "user", "content": "hi"}], "' + field.encode() + b'": ' + lit + b"}", A, 400,
+       "invalid_value")
+      for field in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "seed", "max_tokens", "min_tokens", "n", "top_logprobs")
+      for lit in (b"Infinity", b"-Infinity", b"NaN", b"1e999", b"-1e999")],
+    ("completion-prompt-huge-token", "POST", "/v1/completions", b'{"prompt": [' + b"1" * 30 + b"]}", A, 400,
+     "invalid_value"),
+    ("repetition-penalty-huge", "POST", "/v1/chat/completions", chat(repetition_penalty=1e300), A, 400,
+     "invalid_value"),
+    ("repetition-penalty-tiny", "POST", "/v1/chat/completions", chat(repetition_penalty=1e-300), A, 400,
+     "invalid_value"),
+    ("seed-over-64-bits", "POST", "/v1/chat/completions", chat(seed=2**64), A, 400, "invalid_value"),
+    ("stop-token-id-huge", "POST", "/v1/chat/completions", chat(stop_token_ids=[2**40]), A, 400, "invalid_value"),
+    ("stop-string-too-long", "POST", "/v1/chat/completions", chat(stop=["x" * 257]), A, 400, "invalid_value"),
+    ("logit-bias", "POST", "/v1/chat/completions", chat(logit_bias={"5": 100}), A, 400, "unsupported_parameter"),
+    ("response-format-json", "POST", "/v1/chat/completions", chat(response_format={"type": "json_object"}), A, 400,
+     "unsupported_parameter"),
+    ("tools", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), A, 400,
+     "unsupported_parameter"),
+    ("best-of", "POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, A, 400, "unsupported_parameter"),
+    ("session-id-with-suffix", "GET", "/v1/sessions/abc:messages", None, A, 404, "session_not_found"),
+    ("session-id-path-chars", "POST", "/v1/sessions/a.b/cancel", None, A, 404, "session_not_found"),
 ]
 
 
@@ -254,3 +287,40 @@ def test_redis_unreachable(tmp_path: Path) -> None:
         with connect(live.ws_url + "/v1/ws") as ws:
             ws.send(json.dumps({"type": "hello"}))
             assert json.loads(ws.recv())["code"] == "redis_unavailable"
+
+
+@pytest.fixture(scope="module")
+def replied_sid(server: LiveServer) -> str:
+    """A session with one finished turn: its messages list and reply stream exist in Redis."""
+    sid = str(httpx.post(server.url + "/v1/sessions", json={}, headers=A).json()["id"])
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/messages", json={"content": "hi", "max_tokens": 3}, headers=A,
+                   timeout=60)
+    assert r.status_code == 200 and "done" in r.text
+    # The engine frees the reply's blocks a moment after its last event: settle before tables measure them.
+    deadline, last = time.monotonic() + 10, None
+    while time.monotonic() < deadline:
+        stats = server.engine.stats()  # type: ignore[attr-defined]
+        if stats["requests_running"] == 0 and stats["kv_blocks_free"] == last:
+            break
+        last = stats["kv_blocks_free"]
+        time.sleep(0.3)
+    return sid
+
+
+@pytest.mark.parametrize("suffix", [":messages", ":lock", ":turn:1"])
+def test_session_id_with_key_suffix_is_404(server: LiveServer, replied_sid: str, suffix: str) -> None:
+    """``<id>:messages`` names another Redis key of the session: a 404, not a false store outage."""
+    for method, path in (("GET", ""), ("GET", "/stream"), ("POST", "/cancel"), ("DELETE", "")):
+        url = f"/v1/sessions/{replied_sid}{suffix}{path}"
+        _check(server, lambda m=method, u=url: _send(server, m, u, None, A), 404,
+               "session_not_found")
+
+
+@pytest.mark.parametrize("event_id", ["garbage", "1:abc", "x:1-0", "1:1-0-0", "1" * 40, "-1"])
+def test_malformed_event_id_is_400(server: LiveServer, replied_sid: str, event_id: str) -> None:
+    base = f"/v1/sessions/{replied_sid}"
+    _check(server, lambda: _send(server, "GET", f"{base}/stream?after={event_id}", None, A), 400, "invalid_value")
+    _check(server, lambda: _send(server, "GET", f"{base}/stream", None, {**A, "Last-Event-ID": event_id}), 400,
+           "invalid_value")
+    _check(server, lambda: _send(server, "POST", f"{base}/messages", {"content": "x"},
+                                 {**A, "Last-Event-ID": event_id}), 400, "invalid_value")

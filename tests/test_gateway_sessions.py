@@ -27,7 +27,8 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
     engine = AsyncEngine.from_args(model=str(model), num_kv_blocks=128, max_model_len=512)
-    app = create_app(engine, Store.from_url(redis_proc.url), Settings(web_dir=Path("/nonexistent")))
+    app = create_app(engine, Store.from_url(redis_proc.url), Settings(web_dir=Path("/nonexistent"),
+                                                                              max_pinned_fraction=1.0))
     with LiveServer(app) as live:
         deadline = time.monotonic() + 30
         while len(app.state.gateway.personas.pinned) < 3 and time.monotonic() < deadline:

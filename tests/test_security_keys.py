@@ -1,0 +1,186 @@
+"""Keys never leak, and browsers on other sites cannot drive the server: no keys in URLs or echoed
+subprotocols, Origin and Host checked, JSON bodies need their content type, owner ids are keyed HMACs."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis as sync_redis
+import websockets
+from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
+from websockets.sync.client import connect
+
+from chatsvc.app import SECRET_KEY, create_app
+from chatsvc.cli import add_serve_arguments, settings_from_args
+from chatsvc.settings import Settings
+from chatsvc.store import Store
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+KEY = "key-secret-a"
+A = {"Authorization": f"Bearer {KEY}"}
+
+
+def tiny_engine(tmp: Path) -> Any:
+    from engine.async_engine import AsyncEngine
+    from engine.model.testing import make_tiny_model_dir
+
+    return AsyncEngine.from_args(model=str(make_tiny_model_dir(tmp)), num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+def serve(redis_url: str, tiny_dir: Path, **kw: Any) -> LiveServer:
+    app = create_app(tiny_engine(tiny_dir), Store.from_url(redis_url, 3600, 60), Settings(api_keys=(KEY,), **kw))
+    return LiveServer(app)
+
+
+@pytest.fixture(scope="module")
+def server(redis_proc, tiny_dir: Path) -> Iterator[LiveServer]:  # noqa: F811
+    sync_redis.Redis.from_url(redis_proc.url).flushdb()
+    with serve(redis_proc.url, tiny_dir, metrics_key="metrics-token") as live:
+        live.redis = sync_redis.Redis.from_url(redis_proc.url, decode_responses=True)  # type: ignore[attr-defined]
+        yield live
+
+
+def test_api_key_in_url_is_refused(server: LiveServer) -> None:
+    for path in ("/v1/sessions", "/v1/kv", "/v1/personas"):
+        r = httpx.get(f"{server.url}{path}?api_key={KEY}")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "api_key_in_url", (path, r.text)
+        assert KEY not in r.text
+
+
+def test_ws_never_echoes_a_key_protocol(server: LiveServer) -> None:
+    with connect(server.ws_url + "/v1/ws", subprotocols=[f"chatsvc.key.{KEY}"]) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol is None
+        assert all(KEY not in v for _, v in ws.response.headers.raw_items())
+        ws.send(json.dumps({"type": "hello"}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"  # the key authenticated the socket
+    with connect(server.ws_url + "/v1/ws", subprotocols=["chatsvc", f"chatsvc.key.{KEY}"]) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol == "chatsvc"
+        assert all(KEY not in v for _, v in ws.response.headers.raw_items())
+
+
+def test_ws_origin_defaults_to_the_servers_own(server: LiveServer) -> None:
+    for origin in ("http://localhost:5173", "http://127.0.0.1:1", "https://evil.example"):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as e:
+            connect(server.ws_url + "/v1/ws", origin=origin, additional_headers=A)  # type: ignore[arg-type]
+        assert e.value.response.status_code == 403, origin
+    with connect(server.ws_url + "/v1/ws", origin=server.url, additional_headers=A) as ws:  # type: ignore[arg-type]
+        ws.send(json.dumps({"type": "hello"}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"
+
+
+def test_host_allow_list(server: LiveServer) -> None:
+    """DNS rebinding: a page on evil.example resolving to this server sends Host: evil.example."""
+    evil = {**A, "Host": "evil.example"}
+    for method, path in (("GET", "/v1/sessions"), ("POST", "/v1/sessions"), ("GET", "/"), ("GET", "/v1/kv")):
+        r = httpx.request(method, server.url + path, headers=evil)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed", path
+    # Probes address the server by IP; these routes answer any Host.
+    assert httpx.get(server.url + "/health", headers={"Host": "10.0.0.7:8000"}).status_code == 200
+    assert httpx.get(server.url + "/ready", headers={"Host": "10.0.0.7:8000"}).status_code in (200, 503)
+    assert _ws_handshake_status(server, "evil.example") == 403
+    assert _ws_handshake_status(server, f"127.0.0.1:{server.port}") == 101
+    assert httpx.get(server.url + "/v1/sessions", headers={**A, "Host": f"localhost:{server.port}"}).status_code == 200
+
+
+def _ws_handshake_status(server: LiveServer, host: str) -> int:
+    """The status of a WebSocket handshake sent with this Host (client libraries set Host themselves)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall((f"GET /v1/ws HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                      f"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                      f"Authorization: Bearer {KEY}\r\n\r\n").encode())
+        return int(sock.recv(1024).split(b" ", 2)[1])
+
+
+def test_json_posts_need_the_json_content_type(server: LiveServer) -> None:
+    before = server.redis.dbsize()  # type: ignore[attr-defined]
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {**A, **({"Content-Type": ctype} if ctype else {})}
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, headers=headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", ctype
+        r = httpx.post(server.url + "/v1/sessions", content=b'{"title": "t"}', headers=headers)
+        assert r.status_code == 415, ctype
+    assert server.redis.dbsize() == before  # type: ignore[attr-defined]
+    ok = httpx.post(server.url + "/v1/chat/completions", content=body,
+                    headers={**A, "Content-Type": "application/json; charset=utf-8"}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_state_changing_routes_check_origin(server: LiveServer) -> None:
+    before = server.redis.dbsize()  # type: ignore[attr-defined]
+    evil = {**A, "Origin": "https://evil.example"}
+    assert httpx.post(server.url + "/v1/sessions", json={}, headers=evil).status_code == 403
+    assert httpx.put(server.url + "/v1/personas/x", json={"system_prompt": "p"}, headers=evil).status_code == 403
+    assert server.redis.dbsize() == before  # type: ignore[attr-defined]
+    assert httpx.get(server.url + "/v1/sessions", headers=evil).status_code == 200  # reads: CORS protects them
+    r = httpx.post(server.url + "/v1/sessions", json={}, headers={**A, "Origin": server.url})
+    assert r.status_code == 201
+
+
+def test_metrics_key(server: LiveServer) -> None:
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert httpx.get(server.url + "/metrics", headers=A).status_code == 401
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer metrics-token"})
+    assert r.status_code == 200 and "chatsvc_kv_blocks_total" in r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_owner_ids_are_keyed_hmacs_that_survive_restarts(redis_proc, tiny_dir: Path) -> None:  # noqa: F811
+    r = sync_redis.Redis.from_url(redis_proc.url, decode_responses=True)
+    r.flushdb()
+    with serve(redis_proc.url, tiny_dir) as live:
+        sid = httpx.post(live.url + "/v1/sessions", json={}, headers=A).json()["id"]
+    secret = r.get(SECRET_KEY)
+    owner = r.hget(f"chatsvc:session:{sid}", "owner")
+    assert secret and len(secret) == 64 and owner
+    assert KEY not in owner and hashlib.sha256(KEY.encode()).hexdigest()[:24] not in owner
+    with serve(redis_proc.url, tiny_dir) as live:  # a second start reuses the secret: the session is still ours
+        assert httpx.get(f"{live.url}/v1/sessions/{sid}", headers=A).status_code == 200
+    assert r.get(SECRET_KEY) == secret
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_cli_refuses_public_listen_without_keys(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("CHATSVC_API_KEYS", raising=False)
+    monkeypatch.delenv("CHATSVC_ADMIN_KEYS", raising=False)
+    with pytest.raises(SystemExit, match="without API keys"):
+        settings_from_args(_args("--host", "0.0.0.0"))
+    assert settings_from_args(_args("--host", "127.0.0.1")).api_keys == ()
+    assert settings_from_args(_args("--host", "0.0.0.0", "--api-key", "k")).api_keys == ("k",)
+    with caplog.at_level("WARNING"):
+        settings_from_args(_args("--host", "0.0.0.0", "--insecure-no-auth"))
+    assert "WITHOUT API KEYS" in caplog.text
+
+
+def test_cli_origins_replace_and_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CHATSVC_API_KEYS", raising=False)
+    monkeypatch.setenv("CHATSVC_ADMIN_KEYS", "adm1, adm2")
+    s = settings_from_args(_args("--allowed-origins", "https://app.example", "--host", "10.1.2.3",
+                                 "--api-key", "k", "--max-pinned-fraction", "0.1"))
+    assert s.allowed_origins == ("https://app.example",)
+    assert "10.1.2.3" in s.allowed_hosts and "localhost" in s.allowed_hosts
+    assert s.admin_keys == ("adm1", "adm2") and s.max_pinned_fraction == 0.1
+    assert settings_from_args(_args("--allowed-hosts", "chat.example.com")).allowed_hosts == ("chat.example.com",)
+    assert settings_from_args(_args()).allowed_origins == ()
+    q = settings_from_args(_args("--max-streams-per-key", "3", "--max-sessions-per-minute", "5",
+                                 "--max-sockets-per-key", "7"))
+    assert (q.max_streams_per_key, q.max_sessions_per_minute, q.max_sockets_per_key) == (3, 5, 7)

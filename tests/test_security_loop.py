@@ -1,0 +1,135 @@
+"""Work kept off the event loop: while a worst-case allowed request runs (a long prompt, a non-streamed
+reply with every logprob the cap allows) and while an oversized one is refused, /health keeps answering
+within 200 ms. The real SmolLM2 tokenizer (49k vocabulary) with the fake engine, so the test measures the
+gateway, not the model."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fake_engine import FakeEngine
+from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
+
+from chatsvc.app import create_app
+from chatsvc.offload import TokenTexts, dumps_in_pieces
+from chatsvc.settings import Settings
+from chatsvc.store import Store
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+HEALTH_BUDGET_S = 0.2
+# The test machine's cores are shared, so a probe thread is sometimes not scheduled for a while: most probes
+# must answer within the budget and none may take a stall's worth (a blocked loop fails both).
+STALL_S = 1.0
+
+
+def assert_responsive(latencies: list[float]) -> None:
+    within = sum(t < HEALTH_BUDGET_S for t in latencies) / len(latencies)
+    assert within >= 0.9 and max(latencies) < STALL_S, sorted(latencies)[-5:]
+
+
+@pytest.fixture(scope="module")
+def server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
+    from engine.tokenizer import Tokenizer
+
+    engine = FakeEngine(Tokenizer.from_gguf(default_model_path()), max_model_len=8192)
+    app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60),
+                     Settings(web_dir=Path("/nonexistent"), max_pinned_fraction=1.0))
+    with LiveServer(app) as live:
+        live.engine = engine  # type: ignore[attr-defined]
+        yield live
+
+
+def _health_while(server: LiveServer, request: dict[str, object]) -> tuple[httpx.Response, list[float]]:
+    """Run ``request`` while another client polls /health; (its response, every /health latency)."""
+    result: list[httpx.Response] = []
+
+    def heavy() -> None:
+        result.append(httpx.post(server.url + "/v1/chat/completions", json=request, timeout=120))
+
+    t = threading.Thread(target=heavy)
+    latencies: list[float] = []
+    with httpx.Client(base_url=server.url, timeout=30) as probe:
+        probe.get("/health")  # the connection is open before the clock starts
+        t.start()
+        while t.is_alive():
+            t0 = time.perf_counter()
+            assert probe.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+    t.join()
+    return result[0], latencies
+
+
+def test_health_answers_while_a_huge_prompt_is_refused(server: LiveServer) -> None:
+    content = "hello world, how are you? " * 40_000  # ~1 MB: tokenizing it would take seconds
+    r, lat = _health_while(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert_responsive(lat)
+
+
+def test_health_answers_while_a_long_prompt_is_tokenized(server: LiveServer) -> None:
+    content = "hello world, how are you? " * 24_000  # 624k characters: about as long as the pre-check lets through
+    r, lat = _health_while(server, {"messages": [{"role": "user", "content": content}], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"  # counted, then refused
+    assert "the prompt has" in r.json()["error"]["message"]
+    assert_responsive(lat)
+
+
+def test_health_answers_while_the_largest_logprobs_reply_is_built(server: LiveServer) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 8, "max_tokens": 1190, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 20}
+    # The fake engine yields to the loop between steps, as a real engine's deltas arrive from its thread.
+    server.engine.step_s = 0.0005  # type: ignore[attr-defined]
+    try:
+        r, lat = _health_while(server, body)
+    finally:
+        server.engine.reset()  # type: ignore[attr-defined]
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 8 and all(len(c["logprobs"]["content"]) == 1190 for c in choices)
+    assert len(choices[0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    assert_responsive(lat)
+
+
+def test_logprob_volume_is_capped_for_non_streamed_requests(server: LiveServer) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 8, "max_tokens": 4000, "logprobs": True,
+            "top_logprobs": 20}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "stream it" in r.json()["error"]["message"]
+    assert server.engine.running == set()  # type: ignore[attr-defined]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "n": 8, "max_tokens": 4000, "logprobs": 20},
+                   timeout=60)
+    assert r.status_code == 400
+
+
+def test_dumps_in_pieces_is_json_dumps() -> None:
+    obj = {"a": [{"t": i, "b": list(range(i % 5)), "s": "é\n"} for i in range(300)], "u": None, "n": [{"x": [1]}],
+           "f": 0.5, "k": {"5": 1.0}}
+    assert dumps_in_pieces(obj) == json.dumps(obj)
+
+
+def test_each_token_is_decoded_once() -> None:
+    calls: list[list[int]] = []
+
+    class Tok:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            calls.append(ids)
+            return f"<{ids[0]}>"
+
+    texts = TokenTexts(Tok())
+    assert [texts(t) for t in (5, 6, 5, 5, 6)] == ["<5>", "<6>", "<5>", "<5>", "<6>"]
+    assert calls == [[5], [6]]
+
+
+def test_raw_parts_are_inserted_as_they_are() -> None:
+    from chatsvc.offload import Raw
+
+    entry = {"token": "a", "top": [1, 2]}
+    obj = {"choices": [{"logprobs": {"content": [Raw(json.dumps(entry))] * 3}}]}
+    assert json.loads(dumps_in_pieces(obj)) == {"choices": [{"logprobs": {"content": [entry] * 3}}]}
