@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
@@ -29,7 +29,6 @@ from kernels import get_backend
 log = logging.getLogger("chatsvc.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_CACHE_MB = 1024
 
 
 @dataclass
@@ -87,74 +86,46 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str = "cpu",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_mb: int | None = None,
-        swap_space_mb: int = 256,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        preemption_mode: str = "swap",
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        kv_reservation: str = "paged",
-        max_waiting: int = 1024,
-        linear_backend: str = "auto",
-        fault_request_prefix: str | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, *, fault_request_prefix: str | None = None) -> None:
         """``fault_request_prefix`` is a test hook: the model run of any step that schedules a request whose
-        id starts with it raises, as a bug or a bad input inside the forward pass would. Only a constructor
-        argument, so no API request can turn it on."""
-        if device == "cuda" and not torch.cuda.is_available():
+        id starts with it raises, as a bug or a bad input inside the forward pass would. Not a setting of
+        ``EngineConfig``, so no flag or API request can turn it on."""
+        if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
-        torch_dtype = resolve_dtype(dtype, device)
-        self.dtype = torch_dtype
-        loaded = load_model(model, torch_dtype, device, attention_backend, linear_backend)
+        if config.engine_threads is not None:
+            torch.set_num_threads(config.engine_threads)
+        self.config = config
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        backend = get_backend(config.attention_backend, config.device)
+        loaded = load_model(config.model, self.dtype, config.device, backend, config.linear_backend)
         self.model_path = loaded.path
         self.model_name = loaded.config.name or loaded.path.stem
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
 
-        block_bytes = kv_bytes_per_block(loaded.config, block_size, torch_dtype)
-        if num_kv_blocks is None:
-            num_kv_blocks = max(1, int((kv_cache_mb or DEFAULT_KV_CACHE_MB) * 2**20 // block_bytes))
-        num_cpu_blocks = int(swap_space_mb * 2**20 // block_bytes) if swap_space_mb else 0
-        model_limit = loaded.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(model_limit, num_kv_blocks * block_size)
-        elif max_model_len > model_limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_limit} positions")
-        self.cache_config = CacheConfig(block_size, num_kv_blocks, num_cpu_blocks, enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            preemption_mode=preemption_mode,  # type: ignore[arg-type]
-            kv_reservation=kv_reservation,  # type: ignore[arg-type]
-            max_waiting=max_waiting,
-        )
+        self.cache_config = config.cache_config(kv_bytes_per_block(loaded.config, config.block_size, self.dtype))
+        self.scheduler_config = config.scheduler_config(loaded.config.max_position_embeddings, self.cache_config)
+        cache = self.cache_config
         self.block_manager = BlockManager(
-            block_size, num_kv_blocks, num_cpu_blocks, enable_prefix_caching,
+            cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks, cache.enable_prefix_caching,
             extra_key=str(self.model_path).encode(),
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        backend = get_backend(attention_backend, device)
-        self.runner = ModelRunner(
-            loaded.model, loaded.config, backend, block_size, num_kv_blocks, num_cpu_blocks,
-            torch_dtype, torch.device(device),
-        )
+        self.runner = ModelRunner(loaded.model, loaded.config, backend, cache, self.dtype,
+                                  torch.device(config.device))
         self.sampler = Sampler()
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}
         self._fault_prefix = fault_request_prefix
         self._failures: list[tuple[str, BaseException]] = []
+
+    @classmethod
+    def from_args(cls, model: str | None = None, *, fault_request_prefix: str | None = None,
+                  **settings: Any) -> LLMEngine:
+        """Keyword form: the settings are ``EngineConfig``'s fields."""
+        return cls(EngineConfig(model=model, **settings), fault_request_prefix=fault_request_prefix)
 
     @property
     def max_model_len(self) -> int:

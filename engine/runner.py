@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.config import CacheConfig
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
@@ -68,22 +69,21 @@ class ModelRunner:
         model: LlamaForCausalLM,
         config: ModelConfig,
         backend: AttentionBackend,
-        block_size: int,
-        num_device_blocks: int,
-        num_cpu_blocks: int,
+        cache: CacheConfig,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.model = model
         self.config = config
         self.backend = backend
-        self.block_size = block_size
+        self.block_size = block_size = cache.block_size
         self.device = device
         if device.type == "cpu":
             keep_freed_memory()
-        shape = (config.num_layers, 2, num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
+        per_block = (block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, 2, cache.num_device_blocks, *per_block)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        cpu_shape = (config.num_layers, 2, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
+        cpu_shape = (config.num_layers, 2, cache.num_cpu_blocks, *per_block)
         self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
 
     # -- block plans ----------------------------------------------------------------------------
