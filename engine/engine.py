@@ -22,7 +22,7 @@ from engine.model.linear import onednn_supports
 from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
 from engine.runner import ModelRunner, kv_bytes_per_block
-from engine.sampler import Sampler, SamplingBatch, make_generator
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.scheduler import QueueFullError, Scheduler
 from kernels import get_backend
 
@@ -186,8 +186,11 @@ class LLMEngine:
             log.warning("engine step failed (%s); isolating the request(s) that caused it", exc)
             logits, samplers, out = self._isolate(out, exc)
         self.scheduler.update(out)
-        if logits is not None:
-            deltas.extend(self._sample_and_update(logits, samplers))
+        if logits is None:
+            return deltas
+        rows = self._sampling_rows(samplers)
+        result = self._sample(logits, rows)
+        deltas.extend(self._postprocess(rows, result))
         return deltas
 
     def take_failures(self) -> list[tuple[str, BaseException]]:
@@ -263,33 +266,40 @@ class LLMEngine:
                 rows.append(part_logits[keep] if len(keep) < len(part_samplers) else part_logits)
         return (torch.cat(rows) if rows else None), tuple(kept), dataclasses.replace(out, scheduled=done)
 
-    def _sample_and_update(self, logits: torch.Tensor, samplers: tuple[ScheduledSeq, ...]) -> list[RequestDelta]:
-        rows: list[int] = []
-        row_seqs: list[tuple[SequenceGroup, Sequence]] = []
+    def _sampling_rows(self, samplers: tuple[ScheduledSeq, ...]) -> list[tuple[int, SequenceGroup, Sequence]]:
+        """(logits row, group, sequence) of each sequence that samples this step. A group of n > 1 forks
+        when its prompt is done: the children share the parent's blocks and sample from its logits row."""
+        rows: list[tuple[int, SequenceGroup, Sequence]] = []
         for i, item in enumerate(samplers):
             group = item.group
             seqs = [item.seq]
             if group.needs_fork and item.seq is group.seqs[0]:
                 seqs += self.scheduler.fork(group)
-            for seq in seqs:
-                rows.append(i)
-                row_seqs.append((group, seq))
+            rows.extend((i, group, seq) for seq in seqs)
+        return rows
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, SequenceGroup, Sequence]]) -> SamplerOutput:
         if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[torch.tensor([i for i, _, _ in rows], device=logits.device)]
         batch = SamplingBatch(
-            params=[g.sampling_params for g, _ in row_seqs],
-            prompt_token_ids=[s.prompt_token_ids for _, s in row_seqs],
-            output_token_ids=[s.output_token_ids for _, s in row_seqs],
-            generators=[self._generator(g, s) for g, s in row_seqs],
+            params=[g.sampling_params for _, g, _ in rows],
+            prompt_token_ids=[s.prompt_token_ids for _, _, s in rows],
+            output_token_ids=[s.output_token_ids for _, _, s in rows],
+            generators=[self._generator(g, s) for _, g, s in rows],
             eos_token_ids=self.eos_token_ids,
         )
-        result = self.sampler(logits, batch)
+        return self.sampler(logits, batch)
+
+    def _postprocess(self, rows: list[tuple[int, SequenceGroup, Sequence]], result: SamplerOutput
+                     ) -> list[RequestDelta]:
+        """The one step after sampling: each sequence takes its token, is detokenized and checked for a stop
+        or its length limit; finished sequences free their blocks; one delta per sequence."""
         now = time.monotonic()
         deltas = []
-        for (group, seq), token, logprobs in zip(row_seqs, result.token_ids, result.logprobs, strict=True):
+        for (_, group, seq), token, logprobs in zip(rows, result.token_ids, result.logprobs, strict=True):
             if group.first_token_time is None:
                 group.first_token_time = now
-            deltas.extend(self._append_token(group, seq, token, logprobs))
+            deltas.append(self._append_token(group, seq, token, logprobs))
         return deltas
 
     def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
@@ -298,7 +308,7 @@ class LLMEngine:
         return self._generators[seq.seq_id]
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int,
-                      logprobs: dict[int, float] | None) -> list[RequestDelta]:
+                      logprobs: dict[int, float] | None) -> RequestDelta:
         params = group.sampling_params
         seq.token_ids.append(token)
         if logprobs is not None:
@@ -332,16 +342,17 @@ class LLMEngine:
             cached_tokens=group.num_cached_tokens, stop_reason=seq.stop_reason,
         )
         if reason is None:
-            return [delta]
+            return delta
         self.scheduler.finish_seq(group, seq, reason)
         self._forget_seq(seq)
         if group.status is RequestStatus.FINISHED:
             delta.request_finished = True
             group.finished_time = time.monotonic()
             self._groups.pop(group.request_id, None)
-        return [delta]
+        return delta
 
     def _forget_seq(self, seq: Sequence) -> None:
+        self.runner.free_seq(seq.seq_id)
         self._detok.pop(seq.seq_id, None)
         self._generators.pop(seq.seq_id, None)
 
