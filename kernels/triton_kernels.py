@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import reference
+from kernels import REFERENCE_OPS, reference
 
 LOG2E = 1.4426950408889634
 
@@ -567,3 +567,16 @@ def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     """Device <-> host block copies are plain torch copies (bandwidth-bound on the bus, not on a kernel)."""
     reference.swap_blocks(src, dst, block_mapping)
+
+
+class TritonBackend:
+    """The Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1), with torch's own CUDA kernels for the
+    elementwise ops (no Triton versions of them)."""
+
+    name = "triton"
+    ops = REFERENCE_OPS
+    write_kv_cache = staticmethod(write_kv_cache)
+    paged_attention_decode = staticmethod(paged_attention_decode)
+    paged_attention_prefill = staticmethod(paged_attention_prefill)
+    copy_blocks = staticmethod(copy_blocks)
+    swap_blocks = staticmethod(swap_blocks)
