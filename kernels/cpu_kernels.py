@@ -147,7 +147,7 @@ def _build(isa: str) -> ModuleType:
     _ninja_on_path()
     name = f"chatsvc_cpu_kernels_{isa}"
     _clear_stale_lock(name)
-    return cpp_extension.load(
+    ext: ModuleType = cpp_extension.load(
         name=name,
         sources=[str(SOURCE)],
         # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
@@ -157,6 +157,7 @@ def _build(isa: str) -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=bool(os.environ.get("CHATSVC_VERBOSE_BUILD")),
     )
+    return ext
 
 
 class CpuKernels:

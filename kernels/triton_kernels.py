@@ -1,3 +1,6 @@
+# The @triton.jit kernels take Triton values (pointers, tl.constexpr), not Python-typed arguments: Triton reads
+# their annotations to specialize them, so they stay unannotated and strict mypy is told so here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Triton paged-KV kernels with the same signatures as kernels.reference.
 
 Every kernel gathers K/V token by token through the block table (physical block = table[pos // block_size],
@@ -39,7 +42,7 @@ def _interpreting() -> bool:
 
 
 def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
+    return max(floor, int(triton.next_power_of_2(n)))
 
 
 def _unit_last_stride(x: Tensor) -> Tensor:
