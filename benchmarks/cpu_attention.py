@@ -96,7 +96,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    cpu_kernels.load_extension()
+    cpp = cpu_kernels.CpuKernels()
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM**-0.5
     host = machine.describe()
@@ -120,10 +120,10 @@ def main() -> None:
         return ref_ms / cpu_ms
 
     decode = [run("decode", {"batch": b, "ctx": c}, f"batch {b:4d}, contexts {c // 2}-{c}",
-                  reference.paged_attention_decode, cpu_kernels.paged_attention_decode,
+                  reference.paged_attention_decode, cpp.paged_attention_decode,
                   (*problem(b, c, dtype, gen), scale)) for b, c in DECODE_CASES]
     prefill = [run("prefill", {"batch": b, "new": n, "prefix": p}, f"batch {b:4d}, {n} new after {p} cached",
-                   reference.paged_attention_prefill, cpu_kernels.paged_attention_prefill,
+                   reference.paged_attention_prefill, cpp.paged_attention_prefill,
                    (*prefill_problem(b, n, p, dtype, gen), scale)) for b, n, p in PREFILL_CASES]
 
     def geomean(xs: list[float]) -> float:

@@ -145,7 +145,7 @@ def build_prompts(tok: Tokenizer, texts: list[str], max_prompt_tokens: int) -> t
 
 def run_engine(prompts: list[list[int]], args: argparse.Namespace,
                reservation: str) -> tuple[RunResult, float, list[tuple[int, int]], Any]:
-    engine = LLMEngine(
+    engine = LLMEngine.from_args(
         dtype=args.dtype, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         swap_space_mb=0, preemption_mode="recompute", kv_reservation=reservation,
@@ -377,7 +377,7 @@ def decode_breakdown(prompts: list[list[int]], args: argparse.Namespace, rows: i
     prefill_steps = -(-sum(len(p) for p in chosen) // args.max_num_batched_tokens) + 2
     max_tokens = prefill_steps + 2 * steps + 8
     blocks_per_seq = -(-(max(len(p) for p in chosen) + max_tokens) // 16) + 1
-    engine = LLMEngine(
+    engine = LLMEngine.from_args(
         dtype=args.dtype, num_kv_blocks=rows * blocks_per_seq + 16, max_num_seqs=rows,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len, swap_space_mb=0,
         preemption_mode="recompute", max_waiting=rows,

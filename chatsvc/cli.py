@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 from chatsvc.settings import Settings, api_keys_from_env, default_data_dir
 from engine.client import EngineClient
+from engine.config import EngineConfig, literal_choices
 
 log = logging.getLogger("chatsvc")
 
@@ -21,31 +24,13 @@ log = logging.getLogger("chatsvc")
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--model", default=None, help="model name or path (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
                    help="Redis URL (default: $REDIS_URL, else an embedded redis-server)")
     p.add_argument("--data-dir", type=Path, default=None, help="embedded Redis data dir (default: user data dir)")
-    p.add_argument("--block-size", type=int, default=16)
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-mb", type=int, default=None)
-    kv.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--swap-space-mb", type=int, default=256)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it requests get 429")
-    p.add_argument("--preemption", choices=["swap", "recompute"], default="swap")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="auto: bfloat16 where the CPU (AVX512-BF16/AMX) or GPU multiplies it natively, else float32")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default="auto")
-    p.add_argument("--linear-backend", choices=["auto", "onednn", "torch"], default="auto",
-                   help="onednn: weights packed once for oneDNN (auto, where it runs the dtype natively)")
+    add_engine_arguments(p)
     p.add_argument("--engine", choices=["process", "thread"], default="process",
                    help="run the engine loop in a child process (its own GIL and cores) or on a thread of the "
                         "gateway's process")
-    p.add_argument("--engine-threads", type=int, default=None,
-                   help="torch threads of the engine (default: all cores)")
     p.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
     p.add_argument("--admin-key", action="append", default=None, dest="admin_keys",
@@ -69,21 +54,39 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
     p.add_argument("--abort-grace", type=float, default=3.0,
                    help="seconds a session reply keeps generating without readers before it is aborted")
-    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="turn the prefix cache off (for measuring what it buys; personas then pin nothing)")
     p.add_argument("--log-level", default="info")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "dtype": args.dtype, "device": args.device, "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks, "kv_cache_mb": args.kv_cache_mb, "swap_space_mb": args.swap_space_mb,
-        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "preemption_mode": args.preemption,
-        "attention_backend": args.attention_backend, "max_waiting": args.max_waiting,
-        "linear_backend": args.linear_backend,
-        "enable_prefix_caching": args.prefix_caching,
-    }
+# Engine flags are generated from EngineConfig's fields: --field-name (a bool that defaults to True becomes
+# --no-field-name), Literal fields get their values as choices, the field's help is the flag's. Only what the
+# server does differently from the engine's defaults, and older flag spellings, are listed here.
+_SERVE_DEFAULTS: dict[str, Any] = {"max_waiting": 256}  # a server answers 429 early instead of queueing long
+_FLAG_ALIASES: dict[str, tuple[str, ...]] = {"preemption_mode": ("--preemption",),
+                                             "enable_prefix_caching": ("--no-prefix-caching",)}
+_EXCLUSIVE: tuple[str, ...] = ("num_kv_blocks", "kv_cache_mb")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    exclusive = p.add_mutually_exclusive_group()
+    for f in dataclasses.fields(EngineConfig):
+        default = _SERVE_DEFAULTS.get(f.name, f.default)
+        target = exclusive if f.name in _EXCLUSIVE else p
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help")
+        if default is True:
+            target.add_argument(f"--no-{flag[2:]}", *_FLAG_ALIASES.get(f.name, ()), dest=f.name,
+                                action="store_false", help=help_text)
+            continue
+        hint = hints[f.name]
+        choices = literal_choices(hint)
+        kind: type[int] | type[str] = int if int in typing.get_args(hint) or hint is int else str
+        target.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), dest=f.name, default=default,
+                            choices=list(choices) or None, type=kind, help=help_text)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -127,22 +130,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     max_sockets_per_key=args.max_sockets_per_key)
 
 
-def build_engine(model: str | None, kwargs: dict[str, Any], kind: str = "process",
-                 threads: int | None = None) -> EngineClient:
+def build_engine(config: EngineConfig, kind: str = "process") -> EngineClient:
     """The engine the gateway serves from; "process" blocks until the child has loaded the model."""
     if kind == "process":
         from engine.engine_process import ProcessEngine
 
-        return ProcessEngine.from_args(model=model, engine_threads=threads, **kwargs)
+        return ProcessEngine(config)
     if kind != "thread":
         raise ValueError(f"engine must be 'process' or 'thread', got {kind!r}")
     from engine.async_engine import AsyncEngine
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    return AsyncEngine.from_args(model=model, **kwargs)
+    return AsyncEngine.from_config(config)
 
 
 class _Stop(Exception):
@@ -174,7 +172,7 @@ def serve(args: argparse.Namespace) -> int:
             embedded = EmbeddedRedis((args.data_dir or default_data_dir()) / "redis")
             url = embedded.start()
             desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {url}, append-only"
-        engine = build_engine(args.model, engine_kwargs(args), args.engine, args.engine_threads)
+        engine = build_engine(engine_config(args), args.engine)
         stats = engine.stats()
         log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
                  engine.max_model_len, stats.get("kv_blocks_total", 0), args.block_size,

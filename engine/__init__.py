@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine.config import EngineConfig
 from engine.request import SamplingParams
 
 if TYPE_CHECKING:
@@ -24,4 +25,4 @@ def __getattr__(name: str) -> object:
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "SamplingParams"]

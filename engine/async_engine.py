@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.client import EngineClient, EngineDeadError, relay_deltas
+from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestDelta
 from engine.request import SamplingParams, SequenceGroup
 from engine.scheduler import QueueFullError
@@ -48,8 +49,14 @@ class AsyncEngine(EngineClient):
         self._heartbeat = time.monotonic()  # the last step, or idle tick, of the engine thread
 
     @classmethod
-    def from_args(cls, model: str | None = None, **engine_kwargs: Any) -> AsyncEngine:
-        return cls(LLMEngine(model=model, **engine_kwargs))
+    def from_config(cls, config: EngineConfig, *, fault_request_prefix: str | None = None) -> AsyncEngine:
+        return cls(LLMEngine(config, fault_request_prefix=fault_request_prefix))
+
+    @classmethod
+    def from_args(cls, model: str | None = None, *, fault_request_prefix: str | None = None,
+                  **settings: Any) -> AsyncEngine:
+        """Keyword form: the settings are ``EngineConfig``'s fields."""
+        return cls.from_config(EngineConfig(model=model, **settings), fault_request_prefix=fault_request_prefix)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -39,6 +39,9 @@ class BlockManager:
         self._num_slots: dict[int, int] = {}
         # Hashes of the sequence's full blocks, in order; the chain for the next block's hash.
         self._hashes: dict[int, list[bytes]] = {}
+        # Leading entries of each table unchanged since ``take_table_update`` last reported it: the runner
+        # keeps its own copy of every table and is sent only what changed after them.
+        self._reported: dict[int, int] = {}
         self._pins: dict[str, list[int]] = {}
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -49,6 +52,19 @@ class BlockManager:
 
     def has_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tables
+
+    def take_table_update(self, seq: Sequence) -> tuple[int, tuple[int, ...]]:
+        """``(start, blocks)``: the table's entries from ``start`` on, where it differs from (or extends) the
+        table as last taken. Mostly blocks appended at the end; a copy-on-write replaces the last entry, a
+        swap-in or a new table all of them."""
+        table = self._tables[seq.seq_id]
+        start = self._reported.get(seq.seq_id, 0)
+        self._reported[seq.seq_id] = len(table)
+        return start, tuple(table[start:])
+
+    def _changed(self, seq_id: int, index: int) -> None:
+        if self._reported.get(seq_id, 0) > index:
+            self._reported[seq_id] = index
 
     @property
     def num_free_device_blocks(self) -> int:
@@ -144,6 +160,7 @@ class BlockManager:
         if seq.seq_id not in self._tables:
             table: list[int] = []
             self._tables[seq.seq_id] = table
+            self._reported[seq.seq_id] = 0
             self._hashes[seq.seq_id] = []
             self._num_slots[seq.seq_id] = 0
             prefix_blocks = prefix_blocks or []
@@ -163,6 +180,7 @@ class BlockManager:
             new = self.device.allocate().block_id
             self.device.decref(old)
             table[idx] = new
+            self._changed(seq.seq_id, idx)
             copies.append((old, new))
         end = seq.num_computed_tokens + num_new_tokens
         while len(table) < self._blocks_for(max(end, reserve_tokens)):
@@ -191,6 +209,7 @@ class BlockManager:
         for block_id in table:
             pool.incref(block_id)
         self._tables[child.seq_id] = table
+        self._reported[child.seq_id] = 0
         self._hashes[child.seq_id] = list(self._hashes[parent.seq_id])
         self._num_slots[child.seq_id] = self._num_slots[parent.seq_id]
         if parent.seq_id in self._on_cpu:
@@ -207,6 +226,7 @@ class BlockManager:
         self._on_cpu.discard(seq.seq_id)
         self._hashes.pop(seq.seq_id, None)
         self._num_slots.pop(seq.seq_id, None)
+        self._reported.pop(seq.seq_id, None)
 
     def abandon(self, seq: Sequence) -> None:
         """Free a table allocated in this step whose scheduled tokens will not be computed after
@@ -267,6 +287,7 @@ class BlockManager:
             for block_id in reversed(table):
                 src.decref(block_id)
             self._tables[seq.seq_id] = [mapping[b] for b in table]
+            self._changed(seq.seq_id, 0)
             if to_cpu:
                 self._on_cpu.add(seq.seq_id)
             else:

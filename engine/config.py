@@ -1,12 +1,104 @@
-"""Frozen settings for the engine: cache and scheduler. Model settings live with the model."""
+"""Frozen engine settings: ``EngineConfig`` as given (by ``LLM(...)``, the CLI, a test), and the cache and
+scheduler configs the engine resolves from it once the model is known (sizes in blocks, the context limit).
+
+``EngineConfig`` is the one list of engine settings: ``LLM``, ``LLMEngine``, ``AsyncEngine``, ``ProcessEngine``
+and the CLI (whose engine flags are generated from its fields) all build one. Each field's ``help`` metadata is
+its documentation and the CLI's help text.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 PreemptionMode = Literal["swap", "recompute"]
 KVReservation = Literal["paged", "max_len"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["cpu", "cuda"]
+AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
+LinearBackendName = Literal["auto", "onednn", "torch"]
+
+DEFAULT_KV_CACHE_MB = 1024
+
+
+def _setting(default: Any, help: str) -> Any:  # noqa: A002 - argparse's word
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = _setting(None, "model name or path (default: SmolLM2-135M-Instruct GGUF)")
+    dtype: DType = _setting(
+        "auto", "auto: bfloat16 where the CPU (AVX512-BF16/AMX) or GPU multiplies it natively, else float32")
+    device: Device = _setting("cpu", "where the model and the KV cache live")
+    block_size: int = _setting(16, "tokens per KV block")
+    num_kv_blocks: int | None = _setting(None, "KV blocks on the device (default: from kv_cache_mb)")
+    kv_cache_mb: int | None = _setting(None, f"KV cache size in MiB (default {DEFAULT_KV_CACHE_MB})")
+    swap_space_mb: int = _setting(256, "CPU swap space for preempted sequences' KV, in MiB")
+    enable_prefix_caching: bool = _setting(
+        True, "reuse the KV of identical prompt prefixes (off: for measuring what it buys; personas then pin "
+              "nothing)")
+    max_num_seqs: int = _setting(64, "sequences running at once")
+    max_num_batched_tokens: int = _setting(2048, "tokens per step (prefill chunks and decodes together)")
+    max_model_len: int | None = _setting(
+        None, "longest prompt + reply in tokens (default: the model's limit, or what the KV cache holds)")
+    max_waiting: int = _setting(1024, "waiting-queue bound; beyond it requests are refused (the gateway's 429)")
+    preemption_mode: PreemptionMode = _setting("swap", "how a sequence gives its blocks back when the pool is full")
+    kv_reservation: KVReservation = _setting(
+        "paged", "max_len reserves max_model_len tokens per sequence at admission (a benchmark baseline)")
+    attention_backend: AttentionBackendName = _setting(
+        "auto", "auto: Triton on CUDA, the C++ kernels on CPU (torch's where they cannot be built)")
+    linear_backend: LinearBackendName = _setting(
+        "auto", "onednn: weights packed once for oneDNN (auto: where it runs the dtype natively)")
+    engine_threads: int | None = _setting(None, "torch threads of the engine (default: as torch chooses; all "
+                                                "cores in an engine process)")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):  # a Path is as good as its string, and pickles the same
+            object.__setattr__(self, "model", os.fspath(self.model))
+        hints = typing.get_type_hints(EngineConfig)
+        for f in dataclasses.fields(self):
+            choices = literal_choices(hints[f.name])
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
+            raise ValueError("give num_kv_blocks or kv_cache_mb, not both")
+        for name in ("block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.swap_space_mb < 0:
+            raise ValueError(f"swap_space_mb must be >= 0, got {self.swap_space_mb}")
+
+    def cache_config(self, block_bytes: int) -> CacheConfig:
+        """Sizes in blocks, for blocks of ``block_bytes`` (all layers' K and V of ``block_size`` tokens)."""
+        num_blocks = self.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = max(1, (self.kv_cache_mb or DEFAULT_KV_CACHE_MB) * 2**20 // block_bytes)
+        return CacheConfig(self.block_size, num_blocks, self.swap_space_mb * 2**20 // block_bytes,
+                           self.enable_prefix_caching)
+
+    def scheduler_config(self, model_limit: int, cache: CacheConfig) -> SchedulerConfig:
+        """``model_limit``: the model's positions, which bound max_model_len (and are its default, up to
+        what the cache holds)."""
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(model_limit, cache.num_device_blocks * cache.block_size)
+        elif max_model_len > model_limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_limit} positions")
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len, preemption_mode=self.preemption_mode,
+            kv_reservation=self.kv_reservation, max_waiting=self.max_waiting,
+        )
+
+
+def literal_choices(hint: Any) -> tuple[Any, ...]:
+    """The values of a ``Literal[...]`` type hint; () for any other hint."""
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
 @dataclass(frozen=True)

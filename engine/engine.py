@@ -15,21 +15,20 @@ from typing import Any
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
 from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
 from engine.runner import ModelRunner, kv_bytes_per_block
-from engine.sampler import Sampler, SamplingBatch, make_generator
+from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.scheduler import QueueFullError, Scheduler
 from kernels import get_backend
 
 log = logging.getLogger("chatsvc.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_CACHE_MB = 1024
 
 
 @dataclass
@@ -87,74 +86,46 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str = "cpu",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_mb: int | None = None,
-        swap_space_mb: int = 256,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        preemption_mode: str = "swap",
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        kv_reservation: str = "paged",
-        max_waiting: int = 1024,
-        linear_backend: str = "auto",
-        fault_request_prefix: str | None = None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, *, fault_request_prefix: str | None = None) -> None:
         """``fault_request_prefix`` is a test hook: the model run of any step that schedules a request whose
-        id starts with it raises, as a bug or a bad input inside the forward pass would. Only a constructor
-        argument, so no API request can turn it on."""
-        if device == "cuda" and not torch.cuda.is_available():
+        id starts with it raises, as a bug or a bad input inside the forward pass would. Not a setting of
+        ``EngineConfig``, so no flag or API request can turn it on."""
+        if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
-        torch_dtype = resolve_dtype(dtype, device)
-        self.dtype = torch_dtype
-        loaded = load_model(model, torch_dtype, device, attention_backend, linear_backend)
+        if config.engine_threads is not None:
+            torch.set_num_threads(config.engine_threads)
+        self.config = config
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        backend = get_backend(config.attention_backend, config.device)
+        loaded = load_model(config.model, self.dtype, config.device, backend, config.linear_backend)
         self.model_path = loaded.path
         self.model_name = loaded.config.name or loaded.path.stem
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
 
-        block_bytes = kv_bytes_per_block(loaded.config, block_size, torch_dtype)
-        if num_kv_blocks is None:
-            num_kv_blocks = max(1, int((kv_cache_mb or DEFAULT_KV_CACHE_MB) * 2**20 // block_bytes))
-        num_cpu_blocks = int(swap_space_mb * 2**20 // block_bytes) if swap_space_mb else 0
-        model_limit = loaded.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = min(model_limit, num_kv_blocks * block_size)
-        elif max_model_len > model_limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_limit} positions")
-        self.cache_config = CacheConfig(block_size, num_kv_blocks, num_cpu_blocks, enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            preemption_mode=preemption_mode,  # type: ignore[arg-type]
-            kv_reservation=kv_reservation,  # type: ignore[arg-type]
-            max_waiting=max_waiting,
-        )
+        self.cache_config = config.cache_config(kv_bytes_per_block(loaded.config, config.block_size, self.dtype))
+        self.scheduler_config = config.scheduler_config(loaded.config.max_position_embeddings, self.cache_config)
+        cache = self.cache_config
         self.block_manager = BlockManager(
-            block_size, num_kv_blocks, num_cpu_blocks, enable_prefix_caching,
+            cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks, cache.enable_prefix_caching,
             extra_key=str(self.model_path).encode(),
         )
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        backend = get_backend(attention_backend, device)
-        self.runner = ModelRunner(
-            loaded.model, loaded.config, backend, block_size, num_kv_blocks, num_cpu_blocks,
-            torch_dtype, torch.device(device),
-        )
+        self.runner = ModelRunner(loaded.model, loaded.config, backend, cache, self.dtype,
+                                  torch.device(config.device))
         self.sampler = Sampler()
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}
         self._fault_prefix = fault_request_prefix
         self._failures: list[tuple[str, BaseException]] = []
+
+    @classmethod
+    def from_args(cls, model: str | None = None, *, fault_request_prefix: str | None = None,
+                  **settings: Any) -> LLMEngine:
+        """Keyword form: the settings are ``EngineConfig``'s fields."""
+        return cls(EngineConfig(model=model, **settings), fault_request_prefix=fault_request_prefix)
 
     @property
     def max_model_len(self) -> int:
@@ -215,8 +186,11 @@ class LLMEngine:
             log.warning("engine step failed (%s); isolating the request(s) that caused it", exc)
             logits, samplers, out = self._isolate(out, exc)
         self.scheduler.update(out)
-        if logits is not None:
-            deltas.extend(self._sample_and_update(logits, samplers))
+        if logits is None:
+            return deltas
+        rows = self._sampling_rows(samplers)
+        result = self._sample(logits, rows)
+        deltas.extend(self._postprocess(rows, result))
         return deltas
 
     def take_failures(self) -> list[tuple[str, BaseException]]:
@@ -292,33 +266,40 @@ class LLMEngine:
                 rows.append(part_logits[keep] if len(keep) < len(part_samplers) else part_logits)
         return (torch.cat(rows) if rows else None), tuple(kept), dataclasses.replace(out, scheduled=done)
 
-    def _sample_and_update(self, logits: torch.Tensor, samplers: tuple[ScheduledSeq, ...]) -> list[RequestDelta]:
-        rows: list[int] = []
-        row_seqs: list[tuple[SequenceGroup, Sequence]] = []
+    def _sampling_rows(self, samplers: tuple[ScheduledSeq, ...]) -> list[tuple[int, SequenceGroup, Sequence]]:
+        """(logits row, group, sequence) of each sequence that samples this step. A group of n > 1 forks
+        when its prompt is done: the children share the parent's blocks and sample from its logits row."""
+        rows: list[tuple[int, SequenceGroup, Sequence]] = []
         for i, item in enumerate(samplers):
             group = item.group
             seqs = [item.seq]
             if group.needs_fork and item.seq is group.seqs[0]:
                 seqs += self.scheduler.fork(group)
-            for seq in seqs:
-                rows.append(i)
-                row_seqs.append((group, seq))
+            rows.extend((i, group, seq) for seq in seqs)
+        return rows
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, SequenceGroup, Sequence]]) -> SamplerOutput:
         if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
+            logits = logits[torch.tensor([i for i, _, _ in rows], device=logits.device)]
         batch = SamplingBatch(
-            params=[g.sampling_params for g, _ in row_seqs],
-            prompt_token_ids=[s.prompt_token_ids for _, s in row_seqs],
-            output_token_ids=[s.output_token_ids for _, s in row_seqs],
-            generators=[self._generator(g, s) for g, s in row_seqs],
+            params=[g.sampling_params for _, g, _ in rows],
+            prompt_token_ids=[s.prompt_token_ids for _, _, s in rows],
+            output_token_ids=[s.output_token_ids for _, _, s in rows],
+            generators=[self._generator(g, s) for _, g, s in rows],
             eos_token_ids=self.eos_token_ids,
         )
-        result = self.sampler(logits, batch)
+        return self.sampler(logits, batch)
+
+    def _postprocess(self, rows: list[tuple[int, SequenceGroup, Sequence]], result: SamplerOutput
+                     ) -> list[RequestDelta]:
+        """The one step after sampling: each sequence takes its token, is detokenized and checked for a stop
+        or its length limit; finished sequences free their blocks; one delta per sequence."""
         now = time.monotonic()
         deltas = []
-        for (group, seq), token, logprobs in zip(row_seqs, result.token_ids, result.logprobs, strict=True):
+        for (_, group, seq), token, logprobs in zip(rows, result.token_ids, result.logprobs, strict=True):
             if group.first_token_time is None:
                 group.first_token_time = now
-            deltas.extend(self._append_token(group, seq, token, logprobs))
+            deltas.append(self._append_token(group, seq, token, logprobs))
         return deltas
 
     def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
@@ -327,7 +308,7 @@ class LLMEngine:
         return self._generators[seq.seq_id]
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int,
-                      logprobs: dict[int, float] | None) -> list[RequestDelta]:
+                      logprobs: dict[int, float] | None) -> RequestDelta:
         params = group.sampling_params
         seq.token_ids.append(token)
         if logprobs is not None:
@@ -361,16 +342,17 @@ class LLMEngine:
             cached_tokens=group.num_cached_tokens, stop_reason=seq.stop_reason,
         )
         if reason is None:
-            return [delta]
+            return delta
         self.scheduler.finish_seq(group, seq, reason)
         self._forget_seq(seq)
         if group.status is RequestStatus.FINISHED:
             delta.request_finished = True
             group.finished_time = time.monotonic()
             self._groups.pop(group.request_id, None)
-        return [delta]
+        return delta
 
     def _forget_seq(self, seq: Sequence) -> None:
+        self.runner.free_seq(seq.seq_id)
         self._detok.pop(seq.seq_id, None)
         self._generators.pop(seq.seq_id, None)
 

@@ -50,6 +50,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes.util
+import dataclasses
 import glob
 import itertools
 import logging
@@ -69,6 +70,7 @@ from typing import Any
 import torch
 
 from engine.client import EngineClient, EngineDeadError, relay_deltas
+from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestDelta
 from engine.loader import load_tokenizer
 from engine.request import RequestLimits, SamplingParams, SequenceGroup, make_request
@@ -248,13 +250,11 @@ def _environ(updates: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _child_main(conn: Connection, model: str | None, engine_kwargs: dict[str, Any], threads: int,
-                parent_pid: int) -> None:
+def _child_main(conn: Connection, config: EngineConfig, fault_request_prefix: str | None, parent_pid: int) -> None:
     # Ctrl-C reaches the whole process group; the parent decides when the engine stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
     try:
-        engine = LLMEngine(model=model, **engine_kwargs)
+        engine = LLMEngine(config, fault_request_prefix=fault_request_prefix)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(Failed(_portable(exc), traceback.format_exc()))
         conn.close()
@@ -394,19 +394,21 @@ class ProcessEngine(EngineClient):
     within ``death_window_s`` seconds leave the engine in the "failed" state instead.
     """
 
-    def __init__(self, model: str | None = None, *, engine_threads: int | None = None,
-                 startup_timeout_s: float = 600.0, max_deaths: int = MAX_DEATHS,
-                 death_window_s: float = DEATH_WINDOW_S, **engine_kwargs: Any) -> None:
+    def __init__(self, config: EngineConfig, *, startup_timeout_s: float = 600.0, max_deaths: int = MAX_DEATHS,
+                 death_window_s: float = DEATH_WINDOW_S, fault_request_prefix: str | None = None) -> None:
         # This process only tokenizes and serves; the cores belong to the engine process.
         torch.set_num_threads(1)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        self._args = (model, engine_kwargs, engine_threads or default_engine_threads())
+        if config.engine_threads is None:
+            config = dataclasses.replace(config, engine_threads=default_engine_threads())
+        self.config = config
+        self._fault_prefix = fault_request_prefix
         self._startup_timeout_s = startup_timeout_s
         self._max_deaths = max_deaths
         self._death_window_s = death_window_s
         conn, proc = self._spawn()
         try:
-            tokenizer, _ = load_tokenizer(model)
+            tokenizer, _ = load_tokenizer(config.model)
             info = self._wait_ready(conn, proc, startup_timeout_s)
         except BaseException:
             self._reap(proc, 0.0)
@@ -432,8 +434,12 @@ class ProcessEngine(EngineClient):
         self._install(conn, proc, info)
 
     @classmethod
-    def from_args(cls, model: str | None = None, **engine_kwargs: Any) -> ProcessEngine:
-        return cls(model, **engine_kwargs)
+    def from_args(cls, model: str | None = None, *, startup_timeout_s: float = 600.0, max_deaths: int = MAX_DEATHS,
+                  death_window_s: float = DEATH_WINDOW_S, fault_request_prefix: str | None = None,
+                  **settings: Any) -> ProcessEngine:
+        """Keyword form: the settings are ``EngineConfig``'s fields."""
+        return cls(EngineConfig(model=model, **settings), startup_timeout_s=startup_timeout_s,
+                   max_deaths=max_deaths, death_window_s=death_window_s, fault_request_prefix=fault_request_prefix)
 
     @property
     def pid(self) -> int:
@@ -445,11 +451,10 @@ class ProcessEngine(EngineClient):
         return self._state
 
     def _spawn(self) -> tuple[Connection, BaseProcess]:
-        model, engine_kwargs, threads = self._args
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe()
         proc = ctx.Process(target=_child_main, name="chatsvc-engine", daemon=True,
-                           args=(child_conn, model, engine_kwargs, threads, os.getpid()))
+                           args=(child_conn, self.config, self._fault_prefix, os.getpid()))
         with _environ(child_environment(find_tcmalloc())):
             proc.start()
         child_conn.close()  # so that the child's exit reads as EOF here

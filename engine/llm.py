@@ -6,37 +6,17 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        device: str = "cpu",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_mb: int | None = None,
-        swap_space_mb: int = 256,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        preemption_mode: str = "swap",
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "auto",
-        kv_reservation: str = "paged",
-        linear_backend: str = "auto",
-    ) -> None:
-        self.engine = LLMEngine(
-            model=model, dtype=dtype, device=device, block_size=block_size, num_kv_blocks=num_kv_blocks,
-            kv_cache_mb=kv_cache_mb, swap_space_mb=swap_space_mb, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            preemption_mode=preemption_mode, enable_prefix_caching=enable_prefix_caching,
-            attention_backend=attention_backend, kv_reservation=kv_reservation,
-            max_waiting=1 << 30, linear_backend=linear_backend,
-        )
+    def __init__(self, model: str | None = None, **settings: Any) -> None:
+        """``settings``: ``EngineConfig``'s fields (dtype, num_kv_blocks, max_model_len, ...). Offline use
+        queues every prompt at once, so the waiting queue is unbounded unless ``max_waiting`` says otherwise."""
+        settings.setdefault("max_waiting", 1 << 30)
+        self.engine = LLMEngine(EngineConfig(model=model, **settings))
         self._ids = itertools.count()
 
     @property

@@ -28,7 +28,7 @@ from engine.model import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_alia
 from engine.model.linear import resolve_linear_backend
 from engine.model.llama import LlamaForCausalLM
 from engine.tokenizer import Tokenizer
-from kernels import get_backend
+from kernels import AttentionBackend, get_backend
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,8 +68,10 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 
 def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               attention_backend: str = "auto", linear_backend: str = "auto") -> LoadedModel:
+               attention_backend: str | AttentionBackend = "auto", linear_backend: str = "auto") -> LoadedModel:
     """Load a supported model; ValueError says what is wrong with an unusable path or file.
+
+    ``attention_backend``: the kernels the model's layers call, or a name for ``kernels.get_backend``.
 
     ``linear_backend``: "onednn" packs every linear once for oneDNN, "torch" keeps ``F.linear``,
     "auto" packs where oneDNN runs the dtype natively (see engine.model.linear).
@@ -78,7 +80,7 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     linear_impl = resolve_linear_backend(linear_backend, dtype, device)
     path, config, weights, tokenizer = _open(model)
-    backend = get_backend(attention_backend, device)
+    backend = get_backend(attention_backend, device) if isinstance(attention_backend, str) else attention_backend
     net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype)
     net.load_weights(weights)
     net.requires_grad_(False)

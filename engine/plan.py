@@ -18,7 +18,10 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # first position computed this step
     num_new_tokens: int
-    block_table: tuple[int, ...]
+    # How the sequence's block table changed since it was last scheduled: its entries from ``table_start``
+    # on are ``new_blocks`` (blocks appended, the copy-on-write of the last one, or a whole new table).
+    table_start: int
+    new_blocks: tuple[int, ...]
 
     @property
     def samples(self) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.config import CacheConfig
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
@@ -52,12 +53,50 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+class BlockTables:
+    """Every scheduled sequence's block table as a row of one persistent int32 tensor, kept up to date by
+    the plan's table updates (mostly a block appended every ``block_size`` tokens), so a step gathers its
+    rows instead of rebuilding and padding every table from lists. Entries past a table's length are stale
+    and never read: the kernels read only the blocks that hold a sequence's context."""
+
+    def __init__(self, rows: int = 64, width: int = 64) -> None:
+        self.table = torch.zeros((rows, width), dtype=torch.int32)
+        self._row: dict[int, int] = {}  # seq_id -> row
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def update(self, item: ScheduledSeq) -> int:
+        """Apply one sequence's update (idempotent: a step re-run after a fault applies it again); its row."""
+        seq_id = item.seq.seq_id
+        row = self._row.get(seq_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow(rows=2 * self.table.shape[0])
+            row = self._row[seq_id] = self._free_rows.pop()
+        end = item.table_start + len(item.new_blocks)
+        if end > self.table.shape[1]:
+            self._grow(width=max(end, 2 * self.table.shape[1]))
+        if item.new_blocks:
+            self.table[row, item.table_start : end] = torch.tensor(item.new_blocks, dtype=torch.int32)
+        return row
+
+    def free(self, seq_id: int) -> None:
+        row = self._row.pop(seq_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        old = self.table
+        new_rows, new_width = rows or old.shape[0], width or old.shape[1]
+        self.table = torch.zeros((new_rows, new_width), dtype=torch.int32)
+        self.table[: old.shape[0], : old.shape[1]] = old
+        self._free_rows[:0] = range(new_rows - 1, old.shape[0] - 1, -1)
+
+
 @dataclass(frozen=True)
 class ModelInput:
     input_ids: Tensor
     positions: Tensor
     attn_metadata: AttentionMetadata
-    order: tuple[ScheduledSeq, ...]  # the scheduled sequences in batch order
     sample_rows: Tensor  # token row of each sampling sequence's last scheduled token
     samplers: tuple[ScheduledSeq, ...]  # the sequences those rows belong to
 
@@ -68,23 +107,23 @@ class ModelRunner:
         model: LlamaForCausalLM,
         config: ModelConfig,
         backend: AttentionBackend,
-        block_size: int,
-        num_device_blocks: int,
-        num_cpu_blocks: int,
+        cache: CacheConfig,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.model = model
         self.config = config
         self.backend = backend
-        self.block_size = block_size
+        self.block_size = block_size = cache.block_size
         self.device = device
         if device.type == "cpu":
             keep_freed_memory()
-        shape = (config.num_layers, 2, num_device_blocks, block_size, config.num_kv_heads, config.head_dim)
+        per_block = (block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, 2, cache.num_device_blocks, *per_block)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        cpu_shape = (config.num_layers, 2, num_cpu_blocks, block_size, config.num_kv_heads, config.head_dim)
+        cpu_shape = (config.num_layers, 2, cache.num_cpu_blocks, *per_block)
         self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+        self.block_tables = BlockTables()
 
     # -- block plans ----------------------------------------------------------------------------
     def _mapping(self, pairs: tuple[tuple[int, int], ...]) -> Tensor:
@@ -100,46 +139,53 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_cache, self._mapping(out.blocks_to_copy).to(self.device))
 
     # -- inputs -----------------------------------------------------------------------------------
+    def free_seq(self, seq_id: int) -> None:
+        """Forget a sequence's block table (it finished or was aborted)."""
+        self.block_tables.free(seq_id)
+
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         order = decodes + prefills
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        rows: list[int] = []
         query_start = [0]
         context_lens: list[int] = []
         sample_rows: list[int] = []
         samplers: list[ScheduledSeq] = []
-        max_blocks = max(len(s.block_table) for s in order)
-        tables = [list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in order]
         for item in order:
             start, end = item.start, item.start + item.num_new_tokens
-            table = item.block_table
+            rows.append(self.block_tables.update(item))
             input_ids.extend(item.seq.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
             if item.samples:
                 sample_rows.append(query_start[-1] - 1)
                 samplers.append(item)
+        bs = self.block_size
+        max_context_len = max(context_lens)
+        tables = self.block_tables.table[torch.tensor(rows), : -(-max_context_len // bs)]
+        pos = torch.tensor(positions, dtype=torch.int64)
+        # Each new token's slot: its sequence's block at its position, in one gather for the whole batch.
+        new_tokens = torch.tensor([s.num_new_tokens for s in order])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(order)), new_tokens)
+        slots = tables[seq_of_token, pos // bs].long() * bs + pos % bs
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=slots.to(dev),
+            block_tables=tables.to(dev),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
             num_decodes=len(decodes),
             max_query_len=max(s.num_new_tokens for s in order),
-            max_context_len=max(context_lens),
+            max_context_len=max_context_len,
         )
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=pos.to(dev),
             attn_metadata=meta,
-            order=tuple(order),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=dev),
             samplers=tuple(samplers),
         )

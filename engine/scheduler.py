@@ -114,8 +114,7 @@ class Scheduler:
         for seq, n in requests:
             start = seq.num_computed_tokens
             plan.copies.extend(self.block_manager.allocate_slots(seq, n))
-            table = tuple(self.block_manager.block_table(seq))
-            plan.scheduled.append(ScheduledSeq(group, seq, start, n, table))
+            plan.scheduled.append(ScheduledSeq(group, seq, start, n, *self.block_manager.take_table_update(seq)))
             used += n
         return used
 
@@ -221,8 +220,7 @@ class Scheduler:
                 if n == 0:
                     continue
                 start = seq.num_computed_tokens
-                table = tuple(self.block_manager.block_table(seq))
-                plan.scheduled.append(ScheduledSeq(group, seq, start, n, table))
+                plan.scheduled.append(ScheduledSeq(group, seq, start, n, *self.block_manager.take_table_update(seq)))
 
     def _ignore(self, group: SequenceGroup, plan: _StepPlan) -> None:
         for seq in group.seqs:

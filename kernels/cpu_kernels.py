@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import torch
 from torch import Tensor
 
+from kernels.backend import ModelOps
 from kernels.reference import copy_blocks, swap_blocks
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,8 @@ def _ninja_on_path() -> None:
 _build_failure: dict[str, Exception] = {}
 
 
-# The extension each value of CHATSVC_CPU_ISA resolved to: the kernels below run ~200 times a step, and
-# resolving the ISA (environment, CPU flags) on every call cost more than some of the kernels.
+# The extension each value of CHATSVC_CPU_ISA resolved to, so that a new engine does not resolve the ISA
+# (environment, CPU flags) again.
 _resolved: dict[str | None, ModuleType] = {}
 
 
@@ -147,7 +147,7 @@ def _build(isa: str) -> ModuleType:
     _ninja_on_path()
     name = f"chatsvc_cpu_kernels_{isa}"
     _clear_stale_lock(name)
-    return cpp_extension.load(
+    ext: ModuleType = cpp_extension.load(
         name=name,
         sources=[str(SOURCE)],
         # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
@@ -157,79 +157,72 @@ def _build(isa: str) -> ModuleType:
         extra_ldflags=["-fopenmp"],
         verbose=bool(os.environ.get("CHATSVC_VERBOSE_BUILD")),
     )
+    return ext
 
 
-def paged_attention_decode(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    max_context_len: int | None = None,
-) -> Tensor:
-    """One query token per sequence attends to its whole context, read through the block table."""
-    del max_context_len  # the kernel walks each sequence's own length
-    return load_extension().paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32), None,
-                                            context_lens.to(torch.int32), float(scale))
+class CpuKernels:
+    """The CPU attention backend: one ISA build of the C++ kernels (``selected_isa()`` unless given), loaded
+    once, here; block copies come from the torch reference. Inputs must have the dtypes of the kernel contract
+    (``kernels.backend``): the C++ side checks them, nothing is converted per call."""
+
+    name = "cpu"
+    copy_blocks = staticmethod(copy_blocks)
+    swap_blocks = staticmethod(swap_blocks)
+
+    def __init__(self, isa: str | None = None) -> None:
+        self.ext = load_extension(isa)
+        self.ops = ModelOps(fused_add_rms_norm=self.fused_add_rms_norm, silu_and_mul=self.silu_and_mul,
+                            rotary_embedding=self.rotary_embedding)
+
+    def paged_attention_decode(self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                               context_lens: Tensor, scale: float, max_context_len: int | None = None) -> Tensor:
+        """One query token per sequence attends to its whole context, read through the block table."""
+        del max_context_len  # the kernel walks each sequence's own length
+        out: Tensor = self.ext.paged_attention(query, k_cache, v_cache, block_tables, None, context_lens, scale)
+        return out
+
+    def paged_attention_prefill(self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                query_start_loc: Tensor, context_lens: Tensor, scale: float,
+                                max_query_len: int | None = None, max_context_len: int | None = None) -> Tensor:
+        """Each sequence's queries (the last ``query_start_loc[i+1] - query_start_loc[i]`` tokens of its
+        context) attend causally to its context, cached prefix included, read through the block table."""
+        del max_query_len, max_context_len  # the kernel walks each sequence's own lengths
+        out: Tensor = self.ext.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
+                                               context_lens, scale)
+        return out
+
+    def write_kv_cache(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       slot_mapping: Tensor) -> None:
+        """Store each token's K/V ``[T, Hkv, D]`` at its slot (``block_id * block_size + offset``; -1 = skip).
+        In place; key/value may be strided views (e.g. of the fused QKV projection)."""
+        self.ext.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def fused_add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
+        """In place, vLLM's fused_add_rms_norm: ``residual += x``, then ``x = rms_norm(residual) * weight``.
+
+        x, residual ``[..., N]`` with contiguous rows, same dtype as weight ``[N]``. float32 math; for half
+        types the sum and the normalized value are rounded to the storage type before the weight multiply, as
+        ``h + out`` then HF's ``weight * norm(h).to(dtype)`` do.
+        """
+        n = x.shape[-1]
+        self.ext.fused_add_rms_norm(x.view(-1, n), residual.view(-1, n), weight, eps)
+
+    def silu_and_mul(self, gate_up: Tensor) -> Tensor:
+        """``[..., 2I] -> [..., I]``: ``silu(gate_up[..., :I]) * gate_up[..., I:]`` (the fused gate/up
+        projection's output, rows contiguous)."""
+        out: Tensor = self.ext.silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+    def rotary_embedding(self, qk: Tensor, cos: Tensor, sin: Tensor) -> None:
+        """In place on ``qk [T, H, D]`` (a strided view of the QKV projection is fine, D contiguous), the
+        "rotate_half" layout: x1 <- x1 cos - x2 sin, x2 <- x2 cos + x1 sin for the halves x1, x2 of each head.
+        cos, sin ``[T, D/2]`` (or ``[T, 1, D/2]``) in qk's dtype. In float32 this rounds exactly as the torch
+        expression does (two products, then one add or subtract)."""
+        half = qk.shape[-1] // 2
+        self.ext.rotary_embedding(qk, cos.reshape(-1, half), sin.reshape(-1, half))
 
 
-def paged_attention_prefill(
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    query_start_loc: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_context_len: int | None = None,
-) -> Tensor:
-    """Each sequence's queries (the last ``query_start_loc[i+1] - query_start_loc[i]`` tokens of its
-    context) attend causally to its context, cached prefix included, read through the block table."""
-    del max_query_len, max_context_len  # the kernel walks each sequence's own lengths
-    return load_extension().paged_attention(query, k_cache, v_cache, block_tables.to(torch.int32),
-                                            query_start_loc.to(torch.int32), context_lens.to(torch.int32),
-                                            float(scale))
-
-
-def write_kv_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Store each token's K/V ``[T, Hkv, D]`` at its slot (``block_id * block_size + offset``; -1 = skip).
-    In place; key/value may be strided views (e.g. of the fused QKV projection)."""
-    load_extension().write_kv_cache(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache,
-                                    slot_mapping.to(torch.int64))
-
-
-def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> None:
-    """In place, vLLM's fused_add_rms_norm: ``residual += x``, then ``x = rms_norm(residual) * weight``.
-
-    x, residual ``[..., N]`` with contiguous rows, same dtype as weight ``[N]``. float32 math; for half types
-    the sum and the normalized value are rounded to the storage type before the weight multiply, as
-    ``h + out`` then HF's ``weight * norm(h).to(dtype)`` do.
-    """
-    n = x.shape[-1]
-    load_extension().fused_add_rms_norm(x.view(-1, n), residual.view(-1, n), weight, float(eps))
-
-
-def silu_and_mul(gate_up: Tensor) -> Tensor:
-    """``[..., 2I] -> [..., I]``: ``silu(gate_up[..., :I]) * gate_up[..., I:]`` (the fused gate/up projection's
-    output, rows contiguous)."""
-    out = load_extension().silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
-    return out.view(*gate_up.shape[:-1], out.shape[-1])
-
-
-def rotary_embedding(qk: Tensor, cos: Tensor, sin: Tensor) -> None:
-    """In place on ``qk [T, H, D]`` (a strided view of the QKV projection is fine, D contiguous), the
-    "rotate_half" layout: x1 <- x1 cos - x2 sin, x2 <- x2 cos + x1 sin for the halves x1, x2 of each head.
-    cos, sin ``[T, D/2]`` (or ``[T, 1, D/2]``) in qk's dtype. In float32 this rounds exactly as the torch
-    expression does (two products, then one add or subtract)."""
-    half = qk.shape[-1] // 2
-    load_extension().rotary_embedding(qk, cos.reshape(-1, half), sin.reshape(-1, half))
-
-
-__all__ = ["ISAS", "copy_blocks", "fused_add_rms_norm", "load_extension", "paged_attention_decode",
-           "paged_attention_prefill", "rotary_embedding", "selected_isa", "silu_and_mul", "supported_isas",
-           "swap_blocks", "testable_isas", "write_kv_cache"]
+__all__ = ["ISAS", "CpuKernels", "load_extension", "selected_isa", "supported_isas", "testable_isas"]
 
 
 if __name__ == "__main__":  # `python -m kernels.cpu_kernels [ISA...]`: build now (scripts/setup.sh does)

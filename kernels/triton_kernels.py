@@ -1,3 +1,6 @@
+# The @triton.jit kernels take Triton values (pointers, tl.constexpr), not Python-typed arguments: Triton reads
+# their annotations to specialize them, so they stay unannotated and strict mypy is told so here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Triton paged-KV kernels with the same signatures as kernels.reference.
 
 Every kernel gathers K/V token by token through the block table (physical block = table[pos // block_size],
@@ -21,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels import reference
+from kernels import REFERENCE_OPS, reference
 
 LOG2E = 1.4426950408889634
 
@@ -39,7 +42,7 @@ def _interpreting() -> bool:
 
 
 def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
+    return max(floor, int(triton.next_power_of_2(n)))
 
 
 def _unit_last_stride(x: Tensor) -> Tensor:
@@ -567,3 +570,16 @@ def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
 def swap_blocks(src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
     """Device <-> host block copies are plain torch copies (bandwidth-bound on the bus, not on a kernel)."""
     reference.swap_blocks(src, dst, block_mapping)
+
+
+class TritonBackend:
+    """The Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1), with torch's own CUDA kernels for the
+    elementwise ops (no Triton versions of them)."""
+
+    name = "triton"
+    ops = REFERENCE_OPS
+    write_kv_cache = staticmethod(write_kv_cache)
+    paged_attention_decode = staticmethod(paged_attention_decode)
+    paged_attention_prefill = staticmethod(paged_attention_prefill)
+    copy_blocks = staticmethod(copy_blocks)
+    swap_blocks = staticmethod(swap_blocks)

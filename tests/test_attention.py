@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from engine.model.attention import AttentionMetadata, PagedAttention, prefill_metadata
-from kernels import AttentionBackend
+from kernels import REFERENCE_OPS, AttentionBackend
 
 
 def test_prefill_metadata_lays_out_blocks_and_slots() -> None:
@@ -25,23 +25,32 @@ def test_prefill_metadata_lays_out_blocks_and_slots() -> None:
 class RecordingBackend:
     """Records what the layer passes to each kernel; outputs mark which kernel produced a row."""
 
+    name = "recording"
+    ops = REFERENCE_OPS
+
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
     def as_backend(self) -> AttentionBackend:
-        return AttentionBackend("recording", self.write, self.decode, self.prefill, lambda *a: None, lambda *a: None)
+        return self  # type-checked against the protocol here
 
-    def write(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def copy_blocks(self, kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        raise AssertionError("not called by the layer")
+
+    def swap_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+        raise AssertionError("not called by the layer")
+
+    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         self.calls.append(("write", {"tokens": key.shape[0], "slots": slot_mapping.tolist()}))
 
-    def decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    def paged_attention_decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, scale: float, max_context_len: int | None = None) -> torch.Tensor:
         self.calls.append(("decode", {"rows": query.shape[0], "tables": block_tables.tolist(),
                                       "lens": context_lens.tolist()}))
         return torch.full_like(query, 1.0)
 
-    def prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    def paged_attention_prefill(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                 query_start_loc: torch.Tensor, context_lens: torch.Tensor, scale: float,
                 max_query_len: int | None = None, max_context_len: int | None = None) -> torch.Tensor:
         self.calls.append(("prefill", {"rows": query.shape[0], "tables": block_tables.tolist(),

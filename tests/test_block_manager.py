@@ -142,6 +142,30 @@ def test_copy_on_write_of_shared_partial_last_block() -> None:
     assert len(bm.block_table(child)) == 3 and bm.block_table(child)[2] != bm.block_table(parent)[2]
 
 
+def test_table_updates_report_only_what_changed() -> None:
+    """What the runner is sent of a table: appended blocks, a copy-on-write's replacement, a whole new table
+    after a fork or a swap-in, and nothing when nothing changed."""
+    bm = BlockManager(block_size=4, num_device_blocks=12, num_cpu_blocks=12)
+    group = _group(list(range(6)), n=2)
+    parent = group.seqs[0]
+    _compute(bm, parent)
+    assert bm.take_table_update(parent) == (0, tuple(bm.block_table(parent)))
+    assert bm.take_table_update(parent) == (2, ())
+    parent.token_ids += [50, 51, 52]  # into a third block
+    _compute(bm, parent)
+    assert bm.take_table_update(parent) == (2, (bm.block_table(parent)[2],))
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    group.seqs.append(child)
+    assert bm.take_table_update(child) == (0, tuple(bm.block_table(parent)))
+    child.token_ids.append(60)
+    assert len(_compute(bm, child, 1)) == 1  # the shared partial block is copied
+    assert bm.take_table_update(child) == (2, (bm.block_table(child)[2],))
+    bm.swap_out(group)
+    bm.swap_in(group)
+    assert bm.take_table_update(parent) == (0, tuple(bm.block_table(parent)))
+
+
 def test_can_allocate_counts_the_copy() -> None:
     bm = BlockManager(block_size=4, num_device_blocks=2)
     parent = _group([1, 2, 3, 4, 5]).seqs[0]

@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "kernels", "chatsvc")
+STRICT_PACKAGES = ("engine", "kernels")
 TORCH_FREE = {"engine.block_pool", "engine.block_manager", "engine.scheduler", "engine.plan", "engine.config",
               "engine.request"}
 MECHANISM = ("engine.runner", "engine.model", "kernels")
@@ -123,4 +124,12 @@ def test_ruff_passes() -> None:
 @pytest.mark.slow
 def test_mypy_passes() -> None:
     proc = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_mypy_is_strict_on_the_engine_and_kernels() -> None:
+    """The engine and kernels packages pass ``--strict``: no untyped defs, no Any leaking out of torch calls."""
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--strict", *STRICT_PACKAGES], cwd=ROOT,
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -64,7 +64,7 @@ async def wait_stats(engine: ProcessEngine, **want: int) -> dict[str, object]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[ProcessEngine]:
-    eng = ProcessEngine(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
+    eng = ProcessEngine.from_args(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
     await eng.start()
     yield eng
     await eng.stop()
@@ -185,7 +185,7 @@ async def test_stop_ends_open_streams_and_leaves_no_process(engine: ProcessEngin
 @pytest.mark.timeout(300)
 @pytest.mark.asyncio(loop_scope="module")
 async def test_killed_child_fails_open_streams_and_is_reaped() -> None:
-    eng = ProcessEngine(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
+    eng = ProcessEngine.from_args(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
     await eng.start()
     params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
     streams = [eng.generate(f"k-{i}", params, prompt=f"Count to a thousand, {i}.") for i in range(2)]
@@ -216,10 +216,10 @@ async def test_killed_child_fails_open_streams_and_is_reaped() -> None:
 def test_engine_build_errors_surface_from_the_constructor() -> None:
     # The child cannot build the engine: its ValueError is raised here, not a hang.
     with pytest.raises(ValueError, match="max_model_len") as info:
-        ProcessEngine(default_model_path(), max_model_len=10**8, attention_backend="torch")
+        ProcessEngine.from_args(default_model_path(), max_model_len=10**8, attention_backend="torch")
     assert "engine process" in "".join(getattr(info.value, "__notes__", []))
     with pytest.raises(ValueError, match="model not found"):
-        ProcessEngine("/nonexistent/model.gguf")
+        ProcessEngine.from_args("/nonexistent/model.gguf")
 
 
 @pytest.mark.integration
@@ -230,7 +230,7 @@ def test_engine_process_exits_when_its_parent_dies(tmp_path: Path) -> None:
         "import os, signal, sys\n"
         "from engine.engine_process import ProcessEngine\n"
         "if __name__ == '__main__':\n"
-        f"    eng = ProcessEngine({default_model_path()!r}, attention_backend='torch', num_kv_blocks=16)\n"
+        f"    eng = ProcessEngine.from_args({default_model_path()!r}, attention_backend='torch', num_kv_blocks=16)\n"
         "    print(eng.pid, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=240,
@@ -267,7 +267,7 @@ def gateway_server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
     from chatsvc.store import Store
 
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
-    eng = ProcessEngine(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
+    eng = ProcessEngine.from_args(default_model_path(), **ENGINE_KW)  # type: ignore[arg-type]
     app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), Settings())
     with LiveServer(app) as live:
         live.engine = eng  # type: ignore[attr-defined]

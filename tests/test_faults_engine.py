@@ -61,10 +61,10 @@ def assert_all_blocks_free(eng: LLMEngine) -> None:
 
 
 def test_a_step_that_raises_fails_only_the_requests_that_caused_it(tiny_dir: Path) -> None:
-    reference, none_failed = run_to_end(LLMEngine(str(tiny_dir), **ENGINE_KW),
+    reference, none_failed = run_to_end(LLMEngine.from_args(str(tiny_dir), **ENGINE_KW),
                                         {f"ok-{i}": p for i, p in enumerate(PROMPTS)})
     assert not none_failed
-    eng = LLMEngine(str(tiny_dir), fault_request_prefix="bad-", **ENGINE_KW)
+    eng = LLMEngine.from_args(str(tiny_dir), fault_request_prefix="bad-", **ENGINE_KW)
     # Culprits first, in the middle and last in the batch; the good ones share steps with them.
     mixed = {"bad-0": "culprit", **{f"ok-{i}": p for i, p in enumerate(PROMPTS[:3])}, "bad-1": "another",
              **{f"ok-{i}": p for i, p in enumerate(PROMPTS[3:], start=3)}}
@@ -81,7 +81,7 @@ def test_a_step_that_raises_fails_only_the_requests_that_caused_it(tiny_dir: Pat
     # before their KV existed, so it fails with it; none of those blocks stays cached, so the same prompt
     # later gets the same greedy tokens as on a fresh engine.
     twin_prompt = "The quick brown fox jumps over the lazy dog. " * 4
-    fresh, _ = run_to_end(LLMEngine(str(tiny_dir), **ENGINE_KW), {"twin": twin_prompt})
+    fresh, _ = run_to_end(LLMEngine.from_args(str(tiny_dir), **ENGINE_KW), {"twin": twin_prompt})
     tokens, failed = run_to_end(eng, {"bad-twin": twin_prompt, "ok-twin": twin_prompt})
     assert set(failed) == {"bad-twin", "ok-twin"} and "shared prompt blocks" in str(failed["ok-twin"])
     assert_all_blocks_free(eng)
@@ -99,7 +99,7 @@ async def collect(it: AsyncIterator[RequestDelta]) -> list[int]:
 
 @pytest.mark.timeout(300)
 async def test_async_engine_fails_the_culprit_alone_and_survives_cancelled_callers(tiny_dir: Path) -> None:
-    reference, _ = run_to_end(LLMEngine(str(tiny_dir), **ENGINE_KW), {f"ok-{i}": p for i, p in enumerate(PROMPTS)})
+    reference, _ = run_to_end(LLMEngine.from_args(str(tiny_dir), **ENGINE_KW), {f"ok-{i}": p for i, p in enumerate(PROMPTS)})
     eng = AsyncEngine.from_args(str(tiny_dir), fault_request_prefix="bad-", **ENGINE_KW)
     await eng.start()
     try:
@@ -140,8 +140,8 @@ async def wait_for(cond: Any, timeout_s: float, what: str) -> None:
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 async def test_process_engine_isolates_a_failing_step_restarts_replays_pins_and_gives_up(tiny_dir: Path) -> None:
-    reference, _ = run_to_end(LLMEngine(str(tiny_dir), **ENGINE_KW), {f"ok-{i}": p for i, p in enumerate(PROMPTS)})
-    eng = ProcessEngine(str(tiny_dir), fault_request_prefix="bad-", max_deaths=2, death_window_s=120,
+    reference, _ = run_to_end(LLMEngine.from_args(str(tiny_dir), **ENGINE_KW), {f"ok-{i}": p for i, p in enumerate(PROMPTS)})
+    eng = ProcessEngine.from_args(str(tiny_dir), fault_request_prefix="bad-", max_deaths=2, death_window_s=120,
                         engine_threads=1, **ENGINE_KW)
     await eng.start()
     try:
@@ -195,7 +195,7 @@ def live_gateway(redis_proc, tiny_dir: Path) -> Iterator[tuple[LiveServer, Proce
     from chatsvc.store import Store
 
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
-    eng = ProcessEngine(str(tiny_dir), engine_threads=1, **ENGINE_KW)
+    eng = ProcessEngine.from_args(str(tiny_dir), engine_threads=1, **ENGINE_KW)
     app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), Settings())
     with LiveServer(app) as live:
         yield live, eng

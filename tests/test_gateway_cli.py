@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -100,15 +102,49 @@ def test_cli_help_lists_the_serve_flags(capsys: pytest.CaptureFixture[str]) -> N
         assert flag in out
 
 
-def test_engine_kwargs_follow_the_flags() -> None:
-    import argparse
-
-    from chatsvc.cli import add_serve_arguments, engine_kwargs
+def _serve_parser() -> argparse.ArgumentParser:
+    from chatsvc.cli import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    kw = engine_kwargs(parser.parse_args(["--no-prefix-caching", "--dtype", "bfloat16", "--preemption",
-                                          "recompute", "--num-kv-blocks", "64"]))
-    assert kw["enable_prefix_caching"] is False
-    assert (kw["dtype"], kw["preemption_mode"], kw["num_kv_blocks"]) == ("bfloat16", "recompute", 64)
-    assert engine_kwargs(parser.parse_args([]))["enable_prefix_caching"] is True
+    return parser
+
+
+def test_engine_config_follows_the_flags() -> None:
+    from chatsvc.cli import engine_config
+
+    parser = _serve_parser()
+    config = engine_config(parser.parse_args(["--no-prefix-caching", "--dtype", "bfloat16", "--preemption",
+                                              "recompute", "--num-kv-blocks", "64", "--engine-threads", "3"]))
+    assert config.enable_prefix_caching is False
+    assert (config.dtype, config.preemption_mode, config.num_kv_blocks) == ("bfloat16", "recompute", 64)
+    assert config.engine_threads == 3
+    default = engine_config(parser.parse_args([]))
+    assert default.enable_prefix_caching is True
+    assert default.max_waiting == 256  # the server's own bound, not the offline engine's
+    with pytest.raises(SystemExit):  # one KV size or the other
+        parser.parse_args(["--num-kv-blocks", "64", "--kv-cache-mb", "100"])
+
+
+def test_every_engine_setting_has_a_flag_that_reaches_the_config() -> None:
+    """A setting added to EngineConfig needs no CLI edit: its flag exists and sets it."""
+    from typing import get_type_hints
+
+    from chatsvc.cli import engine_config
+    from engine.config import EngineConfig, literal_choices
+
+    parser = _serve_parser()
+    hints = get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        choices = literal_choices(hints[f.name])
+        if f.default is True:
+            argv, want = [f"--no-{flag[2:]}"], False
+        elif choices:
+            want = next(c for c in choices if c != f.default)
+            argv = [flag, str(want)]
+        elif f.name == "model":
+            argv, want = [flag, "/some/model.gguf"], "/some/model.gguf"
+        else:
+            argv, want = [flag, "7"], 7
+        assert getattr(engine_config(parser.parse_args(argv)), f.name) == want, f.name

@@ -37,12 +37,12 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
 
 
 def _decode(p: PagedProblem, query: torch.Tensor | None = None) -> torch.Tensor:
-    return cpu_kernels.paged_attention_decode(query if query is not None else p.query, p.k_cache, p.v_cache,
+    return cpu_kernels.CpuKernels().paged_attention_decode(query if query is not None else p.query, p.k_cache, p.v_cache,
                                               p.block_tables, p.context_lens, p.scale)
 
 
 def _prefill(p: PagedProblem, query: torch.Tensor | None = None) -> torch.Tensor:
-    return cpu_kernels.paged_attention_prefill(query if query is not None else p.query, p.k_cache, p.v_cache,
+    return cpu_kernels.CpuKernels().paged_attention_prefill(query if query is not None else p.query, p.k_cache, p.v_cache,
                                                p.block_tables, p.query_start_loc, p.context_lens, p.scale)
 
 
@@ -209,11 +209,11 @@ def test_write_kv_cache_matches_reference(isa: str, gen: torch.Generator, dtype:
     kv = torch.randn(2, 2, num_blocks, block_size, heads, dim, generator=gen).to(dtype)  # [layers, K|V, ...]
     expected = kv.clone()
     reference.write_kv_cache(key, value, expected[1, 0], expected[1, 1], slots)
-    cpu_kernels.write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
+    cpu_kernels.CpuKernels().write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
     torch.testing.assert_close(kv, expected, atol=0, rtol=0)
     slots[0] = num_blocks * block_size
     with pytest.raises(RuntimeError, match="outside the cache"):
-        cpu_kernels.write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
+        cpu_kernels.CpuKernels().write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -224,7 +224,7 @@ def test_fused_add_rms_norm_matches_reference(isa: str, gen: torch.Generator, dt
     weight = torch.rand(hidden, generator=gen).to(dtype)
     x_ref, res_ref = x.clone(), residual.clone()
     reference.fused_add_rms_norm(x_ref, res_ref, weight, 1e-5)
-    cpu_kernels.fused_add_rms_norm(x, residual, weight, 1e-5)
+    cpu_kernels.CpuKernels().fused_add_rms_norm(x, residual, weight, 1e-5)
     torch.testing.assert_close(residual, res_ref, atol=0, rtol=0)  # one rounded add either way
     tol = OPS_TOL[dtype]
     torch.testing.assert_close(x, x_ref, atol=tol, rtol=tol)
@@ -239,7 +239,7 @@ def test_silu_and_mul_matches_reference(isa: str, gen: torch.Generator, dtype: t
     rows, inter = 9, 1536 + 5
     gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, -88.5, 0.0])  # e^-g at and past float's range
-    out = cpu_kernels.silu_and_mul(gate_up)
+    out = cpu_kernels.CpuKernels().silu_and_mul(gate_up)
     assert out.shape == (rows, inter) and out.dtype == dtype
     tol = OPS_TOL[dtype]
     torch.testing.assert_close(out, reference.silu_and_mul(gate_up), atol=tol, rtol=tol)
@@ -260,7 +260,7 @@ def test_rotary_embedding_matches_reference(isa: str, gen: torch.Generator, dtyp
     reference.rotary_embedding(expected[:, : q_heads + kv_heads], cos, sin)
     qk = qkv[:, : q_heads + kv_heads]
     assert not qk.is_contiguous()
-    cpu_kernels.rotary_embedding(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+    cpu_kernels.CpuKernels().rotary_embedding(qk, cos.unsqueeze(1), sin.unsqueeze(1))
     # float32: the same two products and one add per element, so bit for bit; half types round once less.
     tol = 0.0 if dtype == torch.float32 else OPS_TOL[dtype]
     torch.testing.assert_close(qkv, expected, atol=tol, rtol=tol)
@@ -268,8 +268,9 @@ def test_rotary_embedding_matches_reference(isa: str, gen: torch.Generator, dtyp
 
 def test_cpu_backend_exposes_the_cpu_ops() -> None:
     backend = kernels.get_backend("cpu", "cpu")
-    assert backend.ops.silu_and_mul is cpu_kernels.silu_and_mul
-    assert backend.write_kv_cache is cpu_kernels.write_kv_cache
+    assert isinstance(backend, cpu_kernels.CpuKernels)
+    assert backend.ops.silu_and_mul == backend.silu_and_mul
+    assert backend.ext is cpu_kernels.load_extension(), "the extension is loaded once, by the backend"
     assert kernels.get_backend("torch", "cpu").ops is kernels.REFERENCE_OPS
 
 

@@ -41,6 +41,8 @@ class Driver:
         self.ignored: list[SequenceGroup] = []
         self._arrival = 0
         self.sampled: list[bool] = []
+        # The tables as the runner rebuilds them from each step's table updates alone.
+        self.tables: dict[int, list[int]] = {}
 
     def add(
         self, prompt: list[int], max_tokens: int = 4, n: int = 1, request_id: str | None = None
@@ -115,10 +117,13 @@ class Driver:
         for item in out.scheduled:
             assert item.group.status is RequestStatus.RUNNING and item.group in s.running
             assert item.start == item.seq.num_computed_tokens
-            assert list(item.block_table) == bm.block_table(item.seq)
-            assert len(item.block_table) * bs >= item.start + item.num_new_tokens
+            table = self.tables.setdefault(item.seq.seq_id, [])
+            assert item.table_start <= len(table)
+            table[item.table_start:] = item.new_blocks
+            assert table == bm.block_table(item.seq), "the table updates do not rebuild the table"
+            assert len(table) * bs >= item.start + item.num_new_tokens
             for pos in range(item.start, item.start + item.num_new_tokens):
-                self.kv["device"][(item.block_table[pos // bs], pos % bs)] = tuple(
+                self.kv["device"][(table[pos // bs], pos % bs)] = tuple(
                     item.seq.token_ids[: pos + 1]
                 )
         if self.check_kv:
@@ -434,7 +439,7 @@ def test_kv_reservation_max_len_reserves_whole_sequences() -> None:
     per_seq = math.ceil(18 / 4)
     assert len(out.scheduled) == 4  # 4 x 5 blocks = 20
     for item in out.scheduled:
-        assert len(item.block_table) == per_seq
+        assert (item.table_start, len(item.new_blocks)) == (0, per_seq)
     assert groups[4].status is RequestStatus.WAITING
     assert d.bm.slot_usage() == (12, 4 * per_seq * 4)
     d.run()

@@ -25,7 +25,7 @@ LINEAR_BACKENDS: tuple[str, ...] = ("auto", "onednn", "torch")
 
 def onednn_supports(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether oneDNN runs packed GEMMs of this dtype natively on this device."""
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
     if dtype == torch.float32:
         return True
@@ -51,11 +51,13 @@ def resolve_linear_backend(name: str, dtype: torch.dtype, device: torch.device |
 
 
 def pack_weight(weight: Tensor) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    packed: Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    return packed
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
 
 
 class Linear(nn.Module):

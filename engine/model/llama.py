@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> Tensor:
     """Rotation frequency per dimension pair, with linear or llama3-style context extension."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
@@ -68,7 +69,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
 class RotaryEmbedding(nn.Module):
     """The per-position angles that rotate the two halves of each head (the HF "rotate_half" layout)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  device: torch.device | str, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
@@ -104,7 +105,8 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(t, self.q_size))
+        projected: Tensor = self.o_proj(out.reshape(t, self.q_size))
+        return projected
 
 
 class LlamaMLP(nn.Module):
@@ -115,7 +117,8 @@ class LlamaMLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        out: Tensor = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -192,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 attn_metadata: AttentionMetadata) -> Tensor:
         """Flattened tokens (decodes first, then prefill chunks) -> final-normed hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+        h: Tensor = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
         residual: Tensor | None = None
         for layer in self.model.layers:

@@ -36,8 +36,9 @@ def make_tiny_tokenizer(out_dir: Path, vocab_size: int = 320) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_CORPUS, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                 unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>", pad_token="<|endoftext|>")
     hf.chat_template = CHATML_TEMPLATE
     hf.save_pretrained(str(out_dir))
     return hf

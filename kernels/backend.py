@@ -1,0 +1,66 @@
+"""The kernel contract: what a backend gives the model (``AttentionBackend``) and its elementwise ops (``ModelOps``).
+
+Tensor dtypes are part of the contract, so no kernel converts its inputs per call: block tables, context
+lengths and query starts are int32, slot mappings and block mappings int64, K/V in the cache's dtype. The
+engine's runner builds them that way once per step; a kernel may reject anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """The elementwise ops of a decoder layer, fused (one pass over the rows, no temporaries) where the
+    backend has kernels for them. Same semantics in every backend (float32 math inside for half types):
+
+    - ``fused_add_rms_norm(x, residual, weight, eps) -> None``, in place (vLLM semantics): residual += x,
+      then x = rms_norm(residual) * weight; x, residual ``[..., N]``, weight ``[N]``.
+    - ``silu_and_mul(gate_up) -> Tensor``: ``[..., 2I] -> [..., I]``, silu(first half) * second half.
+    - ``rotary_embedding(qk, cos, sin) -> None``, in place on ``qk [T, H, D]`` (may be a strided view of the
+      fused QKV output), "rotate_half" layout; cos, sin ``[T, D/2]`` or ``[T, 1, D/2]`` in qk's dtype.
+    """
+
+    fused_add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], None]
+    silu_and_mul: Callable[[Tensor], Tensor]
+    rotary_embedding: Callable[[Tensor, Tensor, Tensor], None]
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a KV cache of ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer and
+    K/V, the block moves the scheduler plans, and the model's elementwise ops."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def ops(self) -> ModelOps: ...
+
+    def write_kv_cache(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       slot_mapping: Tensor) -> None:
+        """Store each token's K/V ``[T, Hkv, D]`` at its slot (``block * block_size + offset``; -1: skip).
+        In place; key/value may be strided views (of the fused QKV projection)."""
+
+    def paged_attention_decode(self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                               context_lens: Tensor, scale: float, max_context_len: int | None = None) -> Tensor:
+        """One query token per sequence ``[B, Hq, D]`` attends to its whole context through its block table."""
+
+    def paged_attention_prefill(self, query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                                query_start_loc: Tensor, context_lens: Tensor, scale: float,
+                                max_query_len: int | None = None, max_context_len: int | None = None) -> Tensor:
+        """Each sequence's queries (the last ``query_start_loc[i+1] - query_start_loc[i]`` tokens of its context,
+        ``[T, Hq, D]`` for all) attend causally to its context, cached prefix included."""
+
+    def copy_blocks(self, kv_cache: Tensor, block_mapping: Tensor) -> None:
+        """Copy whole blocks ``(src, dst)`` in every layer's K and V (copy-on-write). In place."""
+
+    def swap_blocks(self, src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
+        """Copy blocks ``(src, dst)`` between the device and the CPU pool (swap out / in). In place on dst."""
+
+
+__all__ = ["AttentionBackend", "ModelOps"]
