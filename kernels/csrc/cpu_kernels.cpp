@@ -664,7 +664,9 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
   std::atomic<int64_t> next{0};
   const int64_t n_items = items.size();
   at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
-    Scratch sc;
+    // Per OpenMP thread, kept between calls: a step calls this once per layer, and fresh buffers would be
+    // allocated and zero-filled every time.
+    static thread_local Scratch sc;
     const int64_t rows = kQueryTile * a.group;
     sc.q.resize(rows * a.head_dim);
     sc.acc.resize(rows * a.head_dim);
@@ -780,7 +782,9 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
     const int64_t cb = cache.stride(0) * es, ct = cache.stride(1) * es, ch = cache.stride(2) * es;
     // All heads of a token in one piece when both sides hold them back to back.
     const bool whole_row = s1 == bytes && ch == bytes;
-    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    // A token is two row copies of a few hundred bytes: a decode step's tokens are copied inline (see
+    // kElemsPerTask), only a long prefill chunk is split over the team.
+    at::parallel_for(0, tokens, 1024, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         if (slots[t] < 0) continue;  // padding: not stored
         char* dst = c + (slots[t] / block_size) * cb + (slots[t] % block_size) * ct;
