@@ -195,6 +195,26 @@ inline vf vsum_rows(const float* P) {
 #endif
 }
 
+// Lanes of a equal to b, as bits (lane i -> bit i); whether any lane of a is NaN.
+inline uint32_t veq_mask(vf a, vf b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
+#else
+  return a == b ? 1u : 0u;
+#endif
+}
+inline bool vany_nan(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0;
+#else
+  return std::isnan(a);
+#endif
+}
+
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 1);
@@ -963,6 +983,65 @@ void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& s
   }
 }
 
+// ---- greedy sampling --------------------------------------------------------------------------------
+//
+// Index of each row's largest value, the first one on ties, and the first NaN if the row has one: what
+// torch.argmax returns, in one vector pass for the maximum and one for its position (torch's own reduction
+// keeps an index per element and runs several times slower on a [rows, vocab] logits tensor).
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  vf m = vset1(-std::numeric_limits<float>::infinity());
+  bool nan = false;
+  int64_t d = 0;
+  for (; d + W <= n; d += W) {
+    const vf v = vload(x + d);
+    nan |= vany_nan(v);
+    m = vmax(m, v);
+  }
+  float mx = vhmax(m);
+  for (int64_t i = d; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    nan |= std::isnan(v);
+    mx = std::max(mx, v);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::isnan(static_cast<float>(x[i]))) return i;
+    }
+  }
+  const vf vmx = vset1(mx);
+  for (d = 0; d + W <= n; d += W) {
+    const uint32_t hit = veq_mask(vload(x + d), vmx);
+    if (hit != 0) return d + __builtin_ctz(hit);
+  }
+  for (; d < n; ++d) {
+    if (static_cast<float>(x[d]) == mx) return d;
+  }
+  return 0;  // n == 0 is refused by the caller
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  const char* what = "argmax_rows (cpu)";
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
+              what, ": x [rows, n] on the CPU, n > 0, rows contiguous");
+  const int64_t rows = x.size(0), n = x.size(1), rs = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  auto run = [&](auto* p) {
+    at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * rs, n);
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, what, ": dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -977,5 +1056,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "[rows, 2 I] -> silu(first half) * second half [rows, I]", py::arg("x"));
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE on qk [T, H, D] in place", py::arg("qk"),
         py::arg("cos"), py::arg("sin"));
+  m.def("argmax_rows", &argmax_rows, "Index of each row's maximum (first on ties, first NaN if any), as torch.argmax",
+        py::arg("x"));
   m.attr("vector_width") = W;
 }
