@@ -33,7 +33,8 @@ on a busy machine are not comparable). Before each side's run the script waits u
 for the 1-min load to fall to 0.5, so the load the previous side left behind is not taken for other work.
 
 Usage: python benchmarks/serving_vs_vllm.py [--workloads 32,64,b,c] [--dtype auto|bfloat16|float32]
-           [--prepare-only] [--skip-ours] [--skip-vllm] [--skip-offline] [--quick] [--out benchmarks/results]
+           [--prepare-only] [--skip-ours] [--skip-vllm] [--skip-offline] [--compare-thread]
+           [--compare-env VAR=VALUE[,...]] [--quick] [--out benchmarks/results]
 It installs what is missing outside the project's environment (vLLM in ~/.cache/chatsvc/vllm-venv, the model
 converted to an HF directory in ~/.cache/chatsvc/smollm2-135m-instruct-hf). ``--quick`` shrinks every workload
 to 4 chats x 16 tokens: it checks the plumbing and measures nothing. Last line: one JSON object
@@ -479,6 +480,9 @@ def main() -> int:
     ap.add_argument("--skip-offline", action="store_true", help="no offline run of workload 32")
     ap.add_argument("--compare-thread", action="store_true",
                     help="also run ours with --engine thread on workload 32 (engine process vs thread, same load)")
+    ap.add_argument("--compare-env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE...]",
+                    help="also run ours on workload 32 with these environment variables set for the server (e.g. "
+                         "the engine process's OpenMP wait policy); repeatable, one extra row each")
     ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
     ap.add_argument("--settle-s", type=float, default=None,
                     help="before each side's run, wait up to this long for the 1-min load average to fall to "
@@ -535,6 +539,16 @@ def main() -> int:
             plan.append(("ours_thread", lambda port, log_path: server(
                 ours_command(port, dtype_flags, kv_gib, extra=("--engine", "thread")), project_env(),
                 f"http://127.0.0.1:{port}/ready", log_path, 600), ["32"]))
+        if "32" in keys:
+            for i, spec in enumerate(a.compare_env, 1):
+                env_vars = dict(item.split("=", 1) for item in spec.split(",") if item)
+
+                def start_with_env(port: int, log_path: Path, env_vars: dict[str, str] = env_vars
+                                   ) -> contextlib.AbstractContextManager[None]:
+                    return server(ours_command(port, dtype_flags, kv_gib), project_env(**env_vars),
+                                  f"http://127.0.0.1:{port}/ready", log_path, 600)
+
+                plan.append((f"ours_env{i}", start_with_env, ["32"]))
         if "c" in keys:
             plan.append(("ours_noprefix", lambda port, log_path: server(
                 ours_command(port, dtype_flags, kv_gib, prefix_caching=False), project_env(),
@@ -577,6 +591,12 @@ def main() -> int:
         final["persona_prefix_ratio"] = ratio(on, off)
     if "ours_thread" in results:
         final["engine_process_over_thread"] = ratio(served, pick(results, "ours_thread", "32", "output_tok_s"))
+    if a.compare_env:
+        final["env_variants"] = {
+            spec: {"tok_s": pick(results, f"ours_env{i}", "32", "output_tok_s"),
+                   "itl_p50": pick(results, f"ours_env{i}", "32", "itl_ms", "p50"),
+                   "over_default": ratio(pick(results, f"ours_env{i}", "32", "output_tok_s"), served)}
+            for i, spec in enumerate(a.compare_env, 1)}
 
     md = [f"# Serving: chatsvc vs vLLM, {stamp}{' (QUICK: plumbing only, not a measurement)' if a.quick else ''}",
           "", f"- machine: {host.line()}",

@@ -224,10 +224,10 @@ def child_environment(tcmalloc: str | None) -> dict[str, str]:
     OMP_WAIT_POLICY=PASSIVE: OpenMP workers sleep instead of spinning between parallel regions. The
     engine shares its cores with the gateway process; a spinning team whose other member has been
     preempted by it burns whole time slices (steps several times slower on a busy 2-core machine).
-    An OMP_WAIT_POLICY already set by the operator wins.
+    An OMP_WAIT_POLICY or GOMP_SPINCOUNT (libgomp's spin-then-sleep bound) set by the operator wins.
     """
     env: dict[str, str] = {}
-    if "OMP_WAIT_POLICY" not in os.environ:
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         env["OMP_WAIT_POLICY"] = "PASSIVE"
     if tcmalloc is not None:
         old = os.environ.get("LD_PRELOAD")

@@ -17,7 +17,7 @@ instead of sorting the whole vocabulary, sorting only when the head holds too li
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -179,19 +179,33 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return idx.clamp_max_(weights.shape[1] - 1)
 
 
+def _torch_argmax(logits: Tensor) -> Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
+    """``argmax`` picks each row's greedy token; a backend may bring a faster one than torch's (the CPU
+    kernels do), with the same answer: the first index of the maximum, the first NaN if there is one."""
+
+    def __init__(self, argmax: Callable[[Tensor], Tensor] | None = None) -> None:
+        self.argmax = argmax or _torch_argmax
+
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(batch.params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(batch.params)} rows")
-        logits = logits.float()
         params = batch.params
         logprobs = [p.logprobs for p in params]
 
         outputs = batch.output_token_ids
         plain = not any(self._needs_processing(p, len(o)) for p, o in zip(params, outputs, strict=True))
         if plain and all(p.greedy for p in params):
-            token_ids: list[int] = logits.argmax(dim=-1).tolist()
-            return SamplerOutput(token_ids, self._gather_logprobs(logits, token_ids, logprobs))
+            # Widening to float32 is exact, so the half-precision logits pick the same tokens; only
+            # logprobs need the float32 copy.
+            token_ids: list[int] = self.argmax(logits).tolist()
+            if all(n is None for n in logprobs):
+                return SamplerOutput(token_ids, [None] * len(params))
+            return SamplerOutput(token_ids, self._gather_logprobs(logits.float(), token_ids, logprobs))
+        logits = logits.float()
 
         if plain:
             processed = logits
@@ -205,7 +219,7 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if greedy_rows:
-            picked = _take(processed, greedy_rows).argmax(dim=-1).tolist()
+            picked = self.argmax(_take(processed, greedy_rows)).tolist()
             for i, tok in zip(greedy_rows, picked, strict=True):
                 token_ids[i] = tok
         if random_rows:

@@ -248,6 +248,7 @@ def test_tcmalloc_is_found_and_the_child_environment_is_set_only_around_the_star
     assert find_tcmalloc((str(tmp_path),)) == str(tmp_path / "libtcmalloc_minimal.so.4")
     monkeypatch.setenv("LD_PRELOAD", "/y/libother.so")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     env = child_environment("/x/libtcmalloc.so")
     assert env == {"LD_PRELOAD": "/x/libtcmalloc.so:/y/libother.so", "OMP_WAIT_POLICY": "PASSIVE"}
     with _environ(env):
@@ -255,6 +256,9 @@ def test_tcmalloc_is_found_and_the_child_environment_is_set_only_around_the_star
         assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
     assert os.environ["LD_PRELOAD"] == "/y/libother.so" and "OMP_WAIT_POLICY" not in os.environ
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice is kept
+    assert child_environment(None) == {}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")  # so is a bounded spin
     assert child_environment(None) == {}
 
 

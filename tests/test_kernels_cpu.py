@@ -266,6 +266,24 @@ def test_rotary_embedding_matches_reference(isa: str, gen: torch.Generator, dtyp
     torch.testing.assert_close(qkv, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 1000])
+def test_argmax_rows_matches_torch(isa: str, gen: torch.Generator, dtype: torch.dtype, n: int) -> None:
+    """Greedy sampling's argmax: torch's answer on every row, ties (first index), NaN and infinities included."""
+    x = torch.randn(12, n, generator=gen).to(dtype)
+    x[1] = 1.0  # all tied
+    x[2] = float("-inf")
+    x[3, -1] = float("inf")
+    x[4, n // 2 :] = float("nan")
+    if n > 3:
+        x[5, 1] = x[5, 3] = 100.0  # a tie for the maximum
+    wide = torch.zeros(12, n + 5, dtype=dtype)
+    wide[:, :n] = x  # rows with a stride longer than their length
+    ext = cpu_kernels.load_extension()
+    assert torch.equal(ext.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(ext.argmax_rows(wide[:, :n]), x.argmax(dim=-1))
+
+
 def test_cpu_backend_exposes_the_cpu_ops() -> None:
     backend = kernels.get_backend("cpu", "cpu")
     assert isinstance(backend, cpu_kernels.CpuKernels)

@@ -50,6 +50,31 @@ def test_greedy_is_argmax() -> None:
     assert out.logprobs == [None] * 6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_uses_the_given_argmax_on_the_raw_logits(dtype: torch.dtype) -> None:
+    """A backend's argmax (here the C++ one) picks the greedy tokens; half-precision logits are not widened
+    first (widening is exact), and rows that want logprobs still get them from float32."""
+    from kernels import cpu_kernels
+
+    seen: list[torch.dtype] = []
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.dtype)
+        return cpu_kernels.load_extension().argmax_rows(x)
+
+    logits = random_logits(6, 1000).to(dtype)
+    logits[2, 7] = logits[2, 9] = 50.0  # a tie: the first index wins, as with torch
+    out = Sampler(argmax)(logits, batch_of([SamplingParams(temperature=0.0)] * 6))
+    assert out.token_ids == logits.argmax(dim=-1).tolist() and out.token_ids[2] == 7
+    assert seen == [dtype]
+    with_logprobs = [SamplingParams(temperature=0.0, logprobs=2)] + [SamplingParams(temperature=0.0)] * 5
+    out = Sampler(argmax)(logits, batch_of(with_logprobs))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs[0] is not None and out.logprobs[1] is None
+    expected = Sampler()(logits.float(), batch_of(with_logprobs)).logprobs[0]
+    assert out.logprobs[0] == expected
+
+
 @pytest.mark.parametrize("penalized", [True, False])
 def test_sampler_leaves_caller_logits_untouched(penalized: bool) -> None:
     logits = random_logits(3, 50)

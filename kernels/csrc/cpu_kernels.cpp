@@ -162,18 +162,57 @@ inline vf vexp(vf x) {
   return vmul(p, vpow2i(n));
 }
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
-  vf a0 = vzero(), a1 = vzero();
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    a0 = vfma(vload(q + d), vload(k + d), a0);
-    a1 = vfma(vload(q + d + W), vload(k + d + W), a1);
+// v[i] = sum of the W lanes of row i of P (W rows of W floats): the scores of W positions at once, so
+// no position pays for a horizontal sum of its own (a transpose-and-add tree instead).
+inline vf vsum_rows(const float* P) {
+#if defined(__AVX512F__)
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_loadu_ps(P + (2 * i) * W), b = _mm512_loadu_ps(P + (2 * i + 1) * W);
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   }
-  for (; d + W <= n; d += W) a0 = vfma(vload(q + d), vload(k + d), a0);
-  float s = vhsum(vadd(a0, a1));
-  for (; d < n; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Each 128-bit lane of w[i] now holds partial sums of rows 4i..4i+3; add the four lanes up.
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  __m256 u[4], w[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 a = _mm256_loadu_ps(P + (2 * i) * W), b = _mm256_loadu_ps(P + (2 * i + 1) * W);
+    u[i] = _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256d a = _mm256_castps_pd(u[2 * i]), b = _mm256_castps_pd(u[2 * i + 1]);
+    w[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(w[0], w[1], 0x20), _mm256_permute2f128_ps(w[0], w[1], 0x31));
+#else
+  return P[0];
+#endif
+}
+
+// Lanes of a equal to b, as bits (lane i -> bit i); whether any lane of a is NaN.
+inline uint32_t veq_mask(vf a, vf b) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ)));
+#else
+  return a == b ? 1u : 0u;
+#endif
+}
+inline bool vany_nan(vf a) {
+#if defined(__AVX512F__)
+  return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0;
+#else
+  return std::isnan(a);
+#endif
 }
 
 inline void prefetch(const void* p, int64_t bytes) {
@@ -194,6 +233,7 @@ constexpr int64_t kQueryTile = 32;
 constexpr int64_t kChunk = 64;
 constexpr int64_t kMinSplit = 256;  // below this a KV part costs less than its merge
 constexpr int64_t kTiledRows = 8;   // rows from which transposing a chunk of K pays for itself
+constexpr int64_t kSharedRows = 4;  // rows below kTiledRows that share each K/V load (a GQA group)
 static_assert(kChunk % (4 * W) == 0, "scores_tiled writes whole groups of four vectors");
 
 struct Item {
@@ -209,7 +249,7 @@ struct Merge {
 };
 
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kt, vf;
+  std::vector<float> q, acc, s, m, l, kt, vf, part;
   std::vector<const void*> krow, vrow, vrow_f;
 };
 
@@ -250,7 +290,8 @@ struct Attention {
 
     // Many rows (prefill tiles): K is transposed into float32 once per chunk, so each row's scores are
     // broadcast-FMAs over whole vectors of positions, and half-type V rows are widened once. Few rows
-    // (decode): per-position dot products straight from the pool beat paying for the copy.
+    // (decode): dot products straight from the pool beat paying for the copy; up to kSharedRows rows (a
+    // decode's GQA group) share every K and V load.
     const bool tiled = R >= kTiledRows;
     float *Kt = sc.kt.data(), *Vf = sc.vf.data();
     const float** vrow_f = reinterpret_cast<const float**>(sc.vrow_f.data());
@@ -282,13 +323,19 @@ struct Attention {
       // Causal: row r (query r / group) sees positions <= its own; later queries see at least as much.
       auto visible = [&](int64_t r) { return std::min(cn, first_pos + r / group + 1 - c0); };
       if (!tiled) {
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t n = visible(r);
+        for (int64_t r = 0; r < R; r += kSharedRows) {
+          const int64_t nr = std::min(kSharedRows, R - r);
+          int64_t n_vis[kSharedRows];
+          for (int64_t i = 0; i < nr; ++i) n_vis[i] = visible(r + i);
+          const int64_t n = n_vis[nr - 1];  // a later row sees at least as much
           if (n <= 0) continue;
-          float* s = S + r * kChunk;
-          for (int64_t j = 0; j < n; ++j) s[j] = dot(Q + r * D, krow[j], D);
-          softmax_step(s, n, M[r], L[r], acc + r * D);
-          accumulate(s, n, vrow, acc + r * D);
+          const Rows rows{Q + r * D, S + r * kChunk, M + r, L + r, acc + r * D, n_vis};
+          switch (nr) {
+            case 1: shared_rows<1>(rows, n, krow, vrow, sc.part.data()); break;
+            case 2: shared_rows<2>(rows, n, krow, vrow, sc.part.data()); break;
+            case 3: shared_rows<3>(rows, n, krow, vrow, sc.part.data()); break;
+            default: shared_rows<4>(rows, n, krow, vrow, sc.part.data()); break;
+          }
         }
         continue;
       }
@@ -321,6 +368,74 @@ struct Attention {
     }
     for (int64_t r = 0; r < R; ++r) {
       write_row(acc + r * D, 1.f / L[r], tok0 + r / group, it.kv_head * group + r % group);
+    }
+  }
+
+  // Up to kSharedRows consecutive rows of a work item: their scaled queries, score rows (kChunk apart),
+  // running max and sum, accumulators, and how many of the chunk's positions each may see.
+  struct Rows {
+    const float* q;
+    float *s, *m, *l, *acc;
+    const int64_t* n_vis;
+  };
+
+  // One chunk of n positions for NR rows at once. Scores: each K row is loaded (and widened) once for
+  // all NR rows, and the per-position vector products of W positions are summed by one transpose-and-add
+  // tree (vsum_rows) instead of W horizontal sums. Then each row's softmax step, and the weighted V rows
+  // added to all NR accumulators from one load of each V row.
+  template <int NR>
+  void shared_rows(const Rows& rw, int64_t n, const T* const* krow, const T* const* vrow, float* part) const {
+    const int64_t D = head_dim;
+    for (int64_t j0 = 0; j0 < n; j0 += W) {
+      const int64_t m = std::min<int64_t>(W, n - j0);
+      for (int64_t jj = 0; jj < m; ++jj) {
+        const T* k = krow[j0 + jj];
+        vf a[NR];
+        for (int i = 0; i < NR; ++i) a[i] = vzero();
+        int64_t d = 0;
+        for (; d + W <= D; d += W) {
+          const vf kv = vload(k + d);
+          for (int i = 0; i < NR; ++i) a[i] = vfma(vload(rw.q + i * D + d), kv, a[i]);
+        }
+        for (int i = 0; i < NR; ++i) vstore(part + (i * W + jj) * W, a[i]);
+        for (; d < D; ++d) {  // head sizes off the vector grid: the rest into lane 0
+          const float kd = static_cast<float>(k[d]);
+          for (int i = 0; i < NR; ++i) part[(i * W + jj) * W] += rw.q[i * D + d] * kd;
+        }
+      }
+      for (int64_t jj = m; jj < W; ++jj) {
+        for (int i = 0; i < NR; ++i) vstore(part + (i * W + jj) * W, vzero());
+      }
+      for (int i = 0; i < NR; ++i) vstore(rw.s + i * kChunk + j0, vsum_rows(part + i * W * W));
+    }
+    for (int i = 0; i < NR; ++i) {
+      float* s = rw.s + i * kChunk;
+      const int64_t nv = rw.n_vis[i];
+      if (nv > 0) softmax_step(s, nv, rw.m[i], rw.l[i], rw.acc + i * D);
+      std::fill(s + std::max<int64_t>(nv, 0), s + n, 0.f);  // positions after the row's own weigh 0
+    }
+    constexpr int VB = W >= 16 ? 4 : (W >= 8 ? 2 : 1);  // vectors of D per pass, to stay in registers
+    int64_t d = 0;
+    for (; d + VB * W <= D; d += VB * W) {
+      vf a[NR][VB];
+      for (int i = 0; i < NR; ++i) {
+        for (int b = 0; b < VB; ++b) a[i][b] = vload(rw.acc + i * D + d + b * W);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const T* v = vrow[j] + d;
+        vf vv[VB];
+        for (int b = 0; b < VB; ++b) vv[b] = vload(v + b * W);
+        for (int i = 0; i < NR; ++i) {
+          const vf p = vset1(rw.s[i * kChunk + j]);
+          for (int b = 0; b < VB; ++b) a[i][b] = vfma(p, vv[b], a[i][b]);
+        }
+      }
+      for (int i = 0; i < NR; ++i) {
+        for (int b = 0; b < VB; ++b) vstore(rw.acc + i * D + d + b * W, a[i][b]);
+      }
+    }
+    if (d < D) {
+      for (int i = 0; i < NR; ++i) accumulate_from(rw.s + i * kChunk, n, vrow, rw.acc + i * D, d);
     }
   }
 
@@ -569,7 +684,9 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
   std::atomic<int64_t> next{0};
   const int64_t n_items = items.size();
   at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
-    Scratch sc;
+    // Per OpenMP thread, kept between calls: a step calls this once per layer, and fresh buffers would be
+    // allocated and zero-filled every time.
+    static thread_local Scratch sc;
     const int64_t rows = kQueryTile * a.group;
     sc.q.resize(rows * a.head_dim);
     sc.acc.resize(rows * a.head_dim);
@@ -581,6 +698,7 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
     sc.vrow_f.resize(kChunk);
     sc.kt.resize(a.head_dim * kChunk);
     sc.vf.resize(kChunk * a.head_dim);
+    sc.part.resize(kSharedRows * W * W);
     for (int64_t i; (i = next.fetch_add(1)) < n_items;) a.run(items[i], sc);
   });
   if (!merges.empty()) {
@@ -684,7 +802,9 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
     const int64_t cb = cache.stride(0) * es, ct = cache.stride(1) * es, ch = cache.stride(2) * es;
     // All heads of a token in one piece when both sides hold them back to back.
     const bool whole_row = s1 == bytes && ch == bytes;
-    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    // A token is two row copies of a few hundred bytes: a decode step's tokens are copied inline (see
+    // kElemsPerTask), only a long prefill chunk is split over the team.
+    at::parallel_for(0, tokens, 1024, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         if (slots[t] < 0) continue;  // padding: not stored
         char* dst = c + (slots[t] / block_size) * cb + (slots[t] % block_size) * ct;
@@ -723,7 +843,14 @@ inline float rnd1(float x) {
   return static_cast<float>(static_cast<T>(x));
 }
 
-inline int64_t rows_per_task(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+// Elements per task of the elementwise ops: a decode step's rows (tens of thousands of elements, a few
+// microseconds of work) run inline on the calling thread, since waking the OpenMP team costs more than
+// splitting them saves (the engine process runs with OMP_WAIT_POLICY=PASSIVE, where every parallel region
+// is a futex wake-up).
+constexpr int64_t kElemsPerTask = 65536;
+inline int64_t rows_per_task(int64_t row_elems) {
+  return std::max<int64_t>(1, kElemsPerTask / std::max<int64_t>(row_elems, 1));
+}
 
 template <typename T>
 void add_rms_norm_kernel(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, float eps) {
@@ -856,6 +983,65 @@ void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& s
   }
 }
 
+// ---- greedy sampling --------------------------------------------------------------------------------
+//
+// Index of each row's largest value, the first one on ties, and the first NaN if the row has one: what
+// torch.argmax returns, in one vector pass for the maximum and one for its position (torch's own reduction
+// keeps an index per element and runs several times slower on a [rows, vocab] logits tensor).
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  vf m = vset1(-std::numeric_limits<float>::infinity());
+  bool nan = false;
+  int64_t d = 0;
+  for (; d + W <= n; d += W) {
+    const vf v = vload(x + d);
+    nan |= vany_nan(v);
+    m = vmax(m, v);
+  }
+  float mx = vhmax(m);
+  for (int64_t i = d; i < n; ++i) {
+    const float v = static_cast<float>(x[i]);
+    nan |= std::isnan(v);
+    mx = std::max(mx, v);
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (std::isnan(static_cast<float>(x[i]))) return i;
+    }
+  }
+  const vf vmx = vset1(mx);
+  for (d = 0; d + W <= n; d += W) {
+    const uint32_t hit = veq_mask(vload(x + d), vmx);
+    if (hit != 0) return d + __builtin_ctz(hit);
+  }
+  for (; d < n; ++d) {
+    if (static_cast<float>(x[d]) == mx) return d;
+  }
+  return 0;  // n == 0 is refused by the caller
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  const char* what = "argmax_rows (cpu)";
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) > 0 && x.stride(1) == 1,
+              what, ": x [rows, n] on the CPU, n > 0, rows contiguous");
+  const int64_t rows = x.size(0), n = x.size(1), rs = x.stride(0);
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  auto run = [&](auto* p) {
+    at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(p + r * rs, n);
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kBFloat16: run(x.data_ptr<c10::BFloat16>()); break;
+    case at::kHalf: run(x.data_ptr<c10::Half>()); break;
+    default: TORCH_CHECK(false, what, ": dtype ", x.scalar_type(), " is not supported (float32, bfloat16, float16)");
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -870,5 +1056,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "[rows, 2 I] -> silu(first half) * second half [rows, I]", py::arg("x"));
   m.def("rotary_embedding", &rotary_embedding, "Rotate-half RoPE on qk [T, H, D] in place", py::arg("qk"),
         py::arg("cos"), py::arg("sin"));
+  m.def("argmax_rows", &argmax_rows, "Index of each row's maximum (first on ties, first NaN if any), as torch.argmax",
+        py::arg("x"));
   m.attr("vector_width") = W;
 }
