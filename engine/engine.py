@@ -114,7 +114,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(loaded.model, loaded.config, backend, cache, self.dtype,
                                   torch.device(config.device))
-        self.sampler = Sampler()
+        self.sampler = Sampler(backend.argmax)
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}

@@ -22,6 +22,8 @@ class TorchBackend:
 
     name = "torch"
     ops = REFERENCE_OPS
+    mixed_batches = False
+    argmax = staticmethod(reference.argmax)
     write_kv_cache = staticmethod(reference.write_kv_cache)
     paged_attention_decode = staticmethod(reference.paged_attention_decode)
     paged_attention_prefill = staticmethod(reference.paged_attention_prefill)

@@ -41,6 +41,15 @@ class AttentionBackend(Protocol):
     @property
     def ops(self) -> ModelOps: ...
 
+    @property
+    def mixed_batches(self) -> bool:
+        """Whether ``paged_attention_prefill`` also takes decode rows (one query each), so a step mixing
+        decodes and prefill chunks is one call instead of a call per kind plus two copies."""
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """Each row's greedy token ``[rows, vocab] -> int64 [rows]``: torch.argmax's answer (the first index of
+        the maximum, the first NaN if the row has one) in any floating dtype."""
+
     def write_kv_cache(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                        slot_mapping: Tensor) -> None:
         """Store each token's K/V ``[T, Hkv, D]`` at its slot (``block * block_size + offset``; -1: skip).

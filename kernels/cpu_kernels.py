@@ -166,6 +166,7 @@ class CpuKernels:
     (``kernels.backend``): the C++ side checks them, nothing is converted per call."""
 
     name = "cpu"
+    mixed_batches = True  # one varlen kernel: a decode is a sequence with one query
     copy_blocks = staticmethod(copy_blocks)
     swap_blocks = staticmethod(swap_blocks)
 
@@ -189,6 +190,12 @@ class CpuKernels:
         del max_query_len, max_context_len  # the kernel walks each sequence's own lengths
         out: Tensor = self.ext.paged_attention(query, k_cache, v_cache, block_tables, query_start_loc,
                                                context_lens, scale)
+        return out
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """torch.argmax(logits, -1) for ``[rows, vocab]`` logits with contiguous rows (first index on ties,
+        first NaN if any), several times faster than torch's index-tracking reduction."""
+        out: Tensor = self.ext.argmax_rows(logits)
         return out
 
     def write_kv_cache(self, key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,

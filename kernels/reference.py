@@ -189,6 +189,11 @@ def rotary_embedding(qk: Tensor, cos: Tensor, sin: Tensor) -> None:
     x2.copy_(out2)
 
 
+def argmax(logits: Tensor) -> Tensor:
+    """Each row's greedy token: the first index of its maximum (the first NaN if it has one)."""
+    return logits.argmax(dim=-1)
+
+
 def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
     """Copy whole blocks (src -> dst) in every layer's K and V (copy-on-write). In place."""
     if block_mapping.numel() == 0:

@@ -578,6 +578,8 @@ class TritonBackend:
 
     name = "triton"
     ops = REFERENCE_OPS
+    mixed_batches = False
+    argmax = staticmethod(reference.argmax)
     write_kv_cache = staticmethod(write_kv_cache)
     paged_attention_decode = staticmethod(paged_attention_decode)
     paged_attention_prefill = staticmethod(paged_attention_prefill)

@@ -28,8 +28,12 @@ class RecordingBackend:
     name = "recording"
     ops = REFERENCE_OPS
 
-    def __init__(self) -> None:
+    def __init__(self, mixed_batches: bool = False) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.mixed_batches = mixed_batches
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("not called by the layer")
 
     def as_backend(self) -> AttentionBackend:
         return self  # type-checked against the protocol here
@@ -74,6 +78,21 @@ def test_mixed_step_splits_decodes_and_prefills() -> None:
     # The prefill kernel sees its own sequences only, with query offsets starting from 0.
     assert rec.calls[2][1] == {"rows": 5, "tables": [[2], [3]], "starts": [0, 3, 5], "lens": [3, 2]}
     assert out[:2].eq(1.0).all() and out[2:].eq(2.0).all()
+
+
+def test_mixed_step_is_one_call_when_the_prefill_kernel_takes_decodes() -> None:
+    rec = RecordingBackend(mixed_batches=True)
+    layer = PagedAttention(layer_idx=1, num_heads=4, num_kv_heads=2, head_dim=8, backend=rec.as_backend())
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(7), block_tables=torch.tensor([[0], [1], [2], [3]], dtype=torch.int32),
+        context_lens=torch.tensor([9, 4, 3, 2], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 1, 2, 5, 7], dtype=torch.int32), num_decodes=2, max_query_len=3,
+        max_context_len=9)
+    out = layer(torch.zeros(7, 4, 8), torch.zeros(7, 2, 8), torch.zeros(7, 2, 8), torch.zeros(2, 2, 4, 4, 2, 8), meta)
+    assert [name for name, _ in rec.calls] == ["write", "prefill"]
+    assert rec.calls[1][1] == {"rows": 7, "tables": [[0], [1], [2], [3]], "starts": [0, 1, 2, 5, 7],
+                               "lens": [9, 4, 3, 2]}
+    assert out.eq(2.0).all()
 
 
 def test_pure_steps_call_one_kernel() -> None:

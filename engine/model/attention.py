@@ -71,7 +71,8 @@ def prefill_metadata(
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the layer's cache, then attends through the block tables.
 
-    Decode rows go to the decode kernel and the rest to the prefill kernel, since one step mixes both.
+    Decode rows go to the decode kernel and the rest to the prefill kernel, since one step mixes both; a
+    backend whose prefill kernel is varlen over decodes too (``mixed_batches``) takes the whole step at once.
     """
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -94,7 +95,7 @@ class PagedAttention(nn.Module):
         if nd == meta.num_seqs:
             return be.paged_attention_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale,
                                              meta.max_context_len)
-        if nd == 0:
+        if nd == 0 or be.mixed_batches:
             return be.paged_attention_prefill(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                               meta.context_lens, self.scale, meta.max_query_len,
                                               meta.max_context_len)
