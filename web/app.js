@@ -358,6 +358,9 @@ function onDone(frame) {
   const now = performance.now();
   const usage = frame.usage || {};
   const completion = usage.completion_tokens ?? r.tokens;
+  // The stored reply is the whole truth: deltas written while the session store was away never arrived.
+  const stored = frame.message && typeof frame.message.content === "string" ? frame.message.content : null;
+  if (stored !== null && stored.length > r.text.length) r.text = stored;
   setBody(r.node, r.text);
   const parts = [];
   if (r.tFirst) {
