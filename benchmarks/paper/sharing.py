@@ -41,6 +41,7 @@ from workload import PAPER_DIR, ROOT, drive, request_tokens, sharegpt_prompt_len
 from benchmarks.machine import describe  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import SchedulerConfig  # noqa: E402
+from engine.plan import SchedulerOutput  # noqa: E402
 from engine.request import SamplingParams, SequenceGroup  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
@@ -61,35 +62,80 @@ class Sharing:
     saving: float
 
 
-def measure(workload: str, prompt_lens: list[int], n: int, args: argparse.Namespace) -> Sharing:
-    bm = BlockManager(args.block_size, POOL_BLOCKS, 0, enable_prefix_caching=False)
-    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len, preemption_mode="recompute",
-                             max_waiting=len(prompt_lens))
-    scheduler = Scheduler(config, bm)
-    for i, length in enumerate(prompt_lens):
-        params = SamplingParams(n=n, max_tokens=args.max_tokens, ignore_eos=True)
-        scheduler.add(SequenceGroup(f"r{i}", request_tokens(i, length), params, arrival_time=float(i)))
-    held = unshared = 0
+class BlockCount:
+    """Blocks held (shared once) and blocks unshared, summed over the steps it is called at."""
 
-    def on_step(s: Scheduler) -> None:
-        nonlocal held, unshared
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.held = self.unshared = self.steps = 0
+
+    def __call__(self, scheduler: Scheduler) -> None:
+        bm = scheduler.block_manager
         blocks: set[int] = set()
-        for group in s.running:
+        for group in scheduler.running:
             tables = [bm.block_table(seq) for seq in group.seqs if bm.has_table(seq)]
             for table in tables:
                 blocks.update(table)
             if group.needs_fork:  # only the prompt's sequence exists yet: unshared, there would be n of it
-                unshared += n * len(tables[0]) if tables else 0
+                self.unshared += self.n * len(tables[0]) if tables else 0
             else:
-                unshared += sum(len(t) for t in tables)
+                self.unshared += sum(len(t) for t in tables)
         assert len(blocks) == bm.device.num_blocks - bm.device.num_free, "held blocks outside running tables"
-        held += len(blocks)
+        self.held += len(blocks)
+        self.steps += 1
 
-    steps = drive(scheduler, on_step, args.max_model_len)
+
+def _scheduler(args: argparse.Namespace, num_requests: int) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_model_len=args.max_model_len, preemption_mode="recompute",
+                             max_waiting=num_requests)
+    return Scheduler(config, BlockManager(args.block_size, POOL_BLOCKS, 0, enable_prefix_caching=False))
+
+
+def measure(workload: str, prompt_lens: list[int], n: int, args: argparse.Namespace) -> Sharing:
+    scheduler = _scheduler(args, len(prompt_lens))
+    for i, length in enumerate(prompt_lens):
+        params = SamplingParams(n=n, max_tokens=args.max_tokens, ignore_eos=True)
+        scheduler.add(SequenceGroup(f"r{i}", request_tokens(i, length), params, arrival_time=float(i)))
+    count = BlockCount(n)
+    steps = drive(scheduler, count, args.max_model_len)
     assert sum(scheduler.num_preemptions.values()) == 0, "the pool is too small: preemption changes what is held"
-    return Sharing(workload, n, len(prompt_lens), sum(prompt_lens) / len(prompt_lens), steps, held / steps,
-                   unshared / steps, 1 - held / unshared)
+    return Sharing(workload, n, len(prompt_lens), sum(prompt_lens) / len(prompt_lens), steps,
+                   count.held / steps, count.unshared / steps, 1 - count.held / count.unshared)
+
+
+def check_against_engine(args: argparse.Namespace) -> str:
+    """Run a small case through the real ``LLMEngine`` (the model, sampling, its own fork) and through the
+    stand-in, counting blocks the same way; they must agree step for step. Returns the record's line."""
+    from engine.engine import LLMEngine
+
+    lens, n, tokens = [40, 70, 23], 3, 20
+    check = argparse.Namespace(**{**vars(args), "max_tokens": tokens})
+    sim = measure("check", lens, n, check)
+    engine = LLMEngine.from_args(block_size=args.block_size, num_kv_blocks=512, enable_prefix_caching=False,
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 max_model_len=args.max_model_len)
+    vocab = engine.model_config.vocab_size
+    for i, length in enumerate(lens):
+        engine.add_request(f"r{i}", SamplingParams(n=n, max_tokens=tokens, ignore_eos=True, seed=i),
+                           prompt_token_ids=[t % vocab for t in request_tokens(i, length)])
+    count = BlockCount(n)
+    schedule = engine.scheduler.schedule
+
+    def counted() -> SchedulerOutput:  # the engine's own schedule(), counted right after it, as the stand-in is
+        out = schedule()
+        count(engine.scheduler)
+        return out
+
+    engine.scheduler.schedule = counted  # type: ignore[method-assign]
+    while engine.has_unfinished():
+        engine.step()
+    got = (count.steps, count.held, count.unshared)
+    want = (sim.steps, round(sim.mean_blocks_held * sim.steps), round(sim.mean_blocks_unshared * sim.steps))
+    assert got == want, f"the stand-in's count {want} differs from the engine's {got}"
+    return (f"checked: prompts of {lens} tokens, n={n}, {tokens} tokens each, through LLMEngine (real model, "
+            f"sampling) and the stand-in: the same {count.steps} steps, {count.held} block-steps held, "
+            f"{count.unshared} unshared")
 
 
 def plot(results: list[Sharing], path: Path, title: str) -> None:
@@ -129,6 +175,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--output", type=Path, default=PAPER_DIR / "sharing.txt")
+    parser.add_argument("--no-check-engine", dest="check_engine", action="store_false",
+                        help="skip the cross-check of the stand-in's count against the real engine (loads the model)")
     args = parser.parse_args()
     ns = [int(n) for n in args.n.split(",")]
 
@@ -139,6 +187,7 @@ def main() -> None:
         "short": sorted(min(p, limit) for p in lengths)[: args.num_prompts],
     }
     results = [measure(name, lens, n, args) for name, lens in workloads.items() for n in ns]
+    checked = check_against_engine(args) if args.check_engine else "not checked against the engine (--no-check-engine)"
 
     machine = describe()
     command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0]).resolve().relative_to(ROOT)),
@@ -155,6 +204,7 @@ def main() -> None:
         f"workloads: sharegpt = first {args.num_prompts} ShareGPT prompts (cut to {limit} tokens); short = the "
         f"{args.num_prompts} shortest of the 1000",
         "saving = 1 - (blocks held, shared once) / (blocks the same tables hold unshared), summed over steps",
+        checked,
         "",
         f"{'workload':<10}{'n':>3}{'requests':>10}{'prompt tok':>12}{'steps':>8}{'held':>10}{'unshared':>10}"
         f"{'saved':>9}",
