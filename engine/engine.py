@@ -137,7 +137,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, loaded.config, backend, cache, self.dtype,
                                   torch.device(config.device))
         costs = PreemptionCosts()
-        if self.scheduler_config.preemption_mode == "auto":
+        if self.scheduler_config.preemption_mode == "auto" and cache.num_cpu_blocks:  # without them: recompute
             costs.observe_swap(*measure_swap(self.runner))
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, costs)
         self.sampler = Sampler()

@@ -196,8 +196,8 @@ def main() -> None:
         "Experiment 1 (PagedAttention paper section 6.3, Fig. 15), parallel sampling: KV blocks saved by sharing",
         f"machine: {machine.line()}",
         f"command: {command}",
-        "model: SmolLM2-135M-Instruct tokenizer and chat template (block accounting only: no model runs, "
-        "the count does not depend on it)",
+        "model: SmolLM2-135M-Instruct tokenizer and chat template (block accounting with a stand-in for the "
+        "model: the counts do not depend on it; the 'checked' line runs the real one)",
         f"settings: block size {args.block_size}; {args.max_tokens} output tokens per sample (ignore_eos); "
         f"prefix caching off; max_num_seqs {args.max_num_seqs}; max_num_batched_tokens "
         f"{args.max_num_batched_tokens}; no preemption",
