@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-PreemptionMode = Literal["swap", "recompute"]
+PreemptionMode = Literal["auto", "swap", "recompute"]
 KVReservation = Literal["paged", "max_len"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
@@ -46,7 +46,9 @@ class EngineConfig:
     max_model_len: int | None = _setting(
         None, "longest prompt + reply in tokens (default: the model's limit, or what the KV cache holds)")
     max_waiting: int = _setting(1024, "waiting-queue bound; beyond it requests are refused (the gateway's 429)")
-    preemption_mode: PreemptionMode = _setting("swap", "how a sequence gives its blocks back when the pool is full")
+    preemption_mode: PreemptionMode = _setting(
+        "auto", "how a preempted request gives its blocks back when the pool is full: swap to CPU, recompute "
+                "later, or auto: whichever the engine's measured swap and prefill costs say is cheaper")
     kv_reservation: KVReservation = _setting(
         "paged", "max_len reserves max_model_len tokens per sequence at admission (a benchmark baseline)")
     attention_backend: AttentionBackendName = _setting(
@@ -122,7 +124,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    preemption_mode: PreemptionMode = "swap"
+    preemption_mode: PreemptionMode = "auto"
     # "max_len" reserves max_model_len tokens of blocks per sequence at admission: the
     # contiguous-reservation baseline of the PagedAttention paper, kept for benchmarks only.
     kv_reservation: KVReservation = "paged"
@@ -136,7 +138,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.preemption_mode not in ("swap", "recompute"):
-            raise ValueError(f"preemption_mode must be 'swap' or 'recompute', got {self.preemption_mode!r}")
+        if self.preemption_mode not in literal_choices(PreemptionMode):
+            raise ValueError(f"preemption_mode must be one of {list(literal_choices(PreemptionMode))}, "
+                             f"got {self.preemption_mode!r}")
         if self.kv_reservation not in ("paged", "max_len"):
             raise ValueError(f"kv_reservation must be 'paged' or 'max_len', got {self.kv_reservation!r}")

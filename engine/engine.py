@@ -23,7 +23,7 @@ from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
-from engine.scheduler import QueueFullError, Scheduler
+from engine.scheduler import PreemptionCosts, QueueFullError, Scheduler
 from kernels import get_backend
 
 log = logging.getLogger("chatsvc.engine")
@@ -85,6 +85,29 @@ def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_swap(runner: ModelRunner, num_blocks: int = 8, repeats: int = 3) -> tuple[int, float]:
+    """(blocks moved one way, seconds): the runner's own swap kernel moving ``num_blocks`` blocks of its cache's
+    shape between scratch device and CPU pools, out and back ``repeats`` times after one warm-up."""
+    shape = (*runner.kv_cache.shape[:2], num_blocks, *runner.kv_cache.shape[3:])
+    dtype = runner.kv_cache.dtype
+    device_pool = torch.zeros(shape, dtype=dtype, device=runner.device)
+    cpu_pool = torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=runner.device.type == "cuda")
+    mapping = torch.arange(num_blocks, dtype=torch.int64).repeat(2, 1).T.contiguous()
+    runner.backend.swap_blocks(device_pool, cpu_pool, mapping)
+    _synchronize(runner.device)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        runner.backend.swap_blocks(device_pool, cpu_pool, mapping)
+        runner.backend.swap_blocks(cpu_pool, device_pool, mapping)
+    _synchronize(runner.device)
+    return 2 * repeats * num_blocks, time.perf_counter() - started
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, fault_request_prefix: str | None = None) -> None:
         """``fault_request_prefix`` is a test hook: the model run of any step that schedules a request whose
@@ -111,9 +134,12 @@ class LLMEngine:
             cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks, cache.enable_prefix_caching,
             extra_key=str(self.model_path).encode(),
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(loaded.model, loaded.config, backend, cache, self.dtype,
                                   torch.device(config.device))
+        costs = PreemptionCosts()
+        if self.scheduler_config.preemption_mode == "auto" and cache.num_cpu_blocks:  # without them: recompute
+            costs.observe_swap(*measure_swap(self.runner))
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, costs)
         self.sampler = Sampler(backend.argmax)
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
@@ -178,20 +204,40 @@ class LLMEngine:
             return deltas
         # The block plans run once: swapped-out blocks may be reused by this very step's sequences, so
         # running them again after a failed forward would copy overwritten KV.
-        self.runner.execute_block_plans(out)
+        self._execute_block_plans(out)
         out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=())
+        started: float | None = time.perf_counter()
         try:
             logits, samplers = self._forward(out)
         except Exception as exc:  # noqa: BLE001 - isolated below; only the culprits fail
             log.warning("engine step failed (%s); isolating the request(s) that caused it", exc)
             logits, samplers, out = self._isolate(out, exc)
+            started = None  # a re-run in parts is no measure of a prefill
         self.scheduler.update(out)
         if logits is None:
             return deltas
         rows = self._sampling_rows(samplers)
-        result = self._sample(logits, rows)
+        result = self._sample(logits, rows)  # its token ids are on the host: the step's work is done
+        if started is not None:
+            self._observe_prefill(out, time.perf_counter() - started)
         deltas.extend(self._postprocess(rows, result))
         return deltas
+
+    # -- what preemption costs (for preemption_mode="auto") -----------------------------------------
+    def _execute_block_plans(self, out: SchedulerOutput) -> None:
+        moved = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        started = time.perf_counter()
+        self.runner.execute_block_plans(out)
+        if moved:
+            _synchronize(self.runner.device)
+            self.scheduler.costs.observe_swap(moved, time.perf_counter() - started)
+
+    def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
+        """Steps that are mostly prefill measure a prefill token's cost; decode-heavy ones would charge each
+        token a whole sequence's attention and step overhead."""
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        if 2 * prefill >= out.num_batched_tokens > 0:
+            self.scheduler.costs.observe_prefill(out.num_batched_tokens, seconds)
 
     def take_failures(self) -> list[tuple[str, BaseException]]:
         """Requests that a step failed and aborted since the last call: (request id, what its stream raises)."""
@@ -386,7 +432,9 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Counters only: cheap enough for the async engine to publish after every step."""
-        return dict(self.scheduler.stats())
+        costs = self.scheduler.costs
+        return {**self.scheduler.stats(), "swap_seconds_per_block": costs.swap_seconds_per_block,
+                "prefill_seconds_per_token": costs.prefill_seconds_per_token}
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(device slots holding a token, slots allocated); walks every table, so benchmarks only."""

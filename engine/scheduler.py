@@ -5,6 +5,10 @@ returns (blocks to swap out, swap in and copy); it never touches blocks itself. 
 decodes and prefill chunks under ``max_num_batched_tokens`` (chunked prefill), oldest request
 first. When the pool runs dry the newest running group is preempted whole: swapped to the CPU
 pool, or freed to be recomputed. While any group is swapped out nothing new is admitted.
+
+Swap or recompute: ``preemption_mode="auto"`` picks, per preempted group, whichever the engine's
+measured costs (``PreemptionCosts``, plain numbers the engine reports) say is cheaper: moving the
+group's blocks to the CPU pool and back, or prefilling its tokens again. Without CPU room it recomputes.
 """
 
 from __future__ import annotations
@@ -14,13 +18,75 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, BlockPlan
-from engine.config import SchedulerConfig
+from engine.config import PreemptionMode, SchedulerConfig
 from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestStatus, Sequence, SequenceGroup
 
 
 class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting``; the caller should retry later."""
+
+
+# Until the engine has timed a prefill, recompute is assumed slow (1 ms a token, a float32 CPU's order):
+# auto then swaps, the mode whose cost does not grow with the context, while CPU room allows.
+DEFAULT_PREFILL_SECONDS_PER_TOKEN = 1e-3
+DEFAULT_SWAP_SECONDS_PER_BLOCK = 1e-4
+# Weight of the newest timing in the running estimates: a few steps outweigh a slow first (warm-up) one.
+_NEW_WEIGHT = 0.3
+
+
+@dataclass
+class PreemptionCosts:
+    """Running estimates, in seconds, of what each way of preempting costs: moving one KV block to the CPU
+    pool and back (a swap's round trip), and prefilling one token (what a recompute redoes). The engine
+    measures and reports them; the scheduler only compares them."""
+
+    swap_seconds_per_block: float = DEFAULT_SWAP_SECONDS_PER_BLOCK
+    prefill_seconds_per_token: float = DEFAULT_PREFILL_SECONDS_PER_TOKEN
+    swap_measured: bool = False
+    prefill_measured: bool = False
+
+    def observe_swap(self, num_blocks: int, seconds: float) -> None:
+        """``num_blocks`` moved one way (out or in) in ``seconds``."""
+        if num_blocks > 0 and seconds > 0:
+            self.swap_seconds_per_block = self._update(
+                self.swap_seconds_per_block, 2 * seconds / num_blocks, self.swap_measured)
+            self.swap_measured = True
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step of mostly prefill tokens (``num_tokens`` in all) took ``seconds``. Its fixed per-step
+        cost is counted against the tokens too, which leans towards swapping, the mode that keeps work."""
+        if num_tokens > 0 and seconds > 0:
+            self.prefill_seconds_per_token = self._update(
+                self.prefill_seconds_per_token, seconds / num_tokens, self.prefill_measured)
+            self.prefill_measured = True
+
+    @staticmethod
+    def _update(old: float, new: float, measured: bool) -> float:
+        return old + _NEW_WEIGHT * (new - old) if measured else new
+
+
+def choose_preemption(mode: PreemptionMode, can_swap: bool, num_blocks: int, num_tokens: int,
+                      costs: PreemptionCosts) -> PreemptionMode:
+    """"swap" or "recompute" for a group holding ``num_blocks`` blocks whose recompute redoes ``num_tokens``
+    tokens. Recompute whenever the CPU pool cannot take the blocks; ties go to swap (no work is redone)."""
+    if mode == "recompute" or not can_swap:
+        return "recompute"
+    if mode == "swap":
+        return "swap"
+    swap_s = num_blocks * costs.swap_seconds_per_block
+    recompute_s = num_tokens * costs.prefill_seconds_per_token
+    return "swap" if swap_s <= recompute_s else "recompute"
+
+
+def recompute_tokens(group: SequenceGroup) -> int:
+    """Tokens a recompute of the group prefills again: the shared prompt once, then each sequence's own."""
+    seqs = group.unfinished_seqs()
+    if not seqs:
+        return 0
+    prompt = group.num_prompt_tokens
+    computed = [s.num_computed_tokens for s in seqs]
+    return min(prompt, max(computed)) + sum(max(0, c - prompt) for c in computed)
 
 
 @dataclass
@@ -34,9 +100,11 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 costs: PreemptionCosts | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.costs = costs or PreemptionCosts()
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # kept in arrival order; the last is preempted first
         self.swapped: deque[SequenceGroup] = deque()
@@ -143,7 +211,7 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, plan: _StepPlan) -> None:
         self.running.remove(group)
         plan.preempted.append(group.request_id)
-        if self.config.preemption_mode == "swap" and self.block_manager.can_swap_out(group):
+        if self._preemption_mode(group) == "swap":
             plan.swap_out.extend(self.block_manager.swap_out(group))
             group.status = RequestStatus.SWAPPED
             # Oldest first, so swapped groups come back in arrival order.
@@ -157,6 +225,12 @@ class Scheduler:
             group.status = RequestStatus.WAITING
             self.waiting.appendleft(group)
             self.num_preemptions["recompute"] += 1
+
+    def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
+        bm = self.block_manager
+        num_blocks = len({b for seq in group.seqs for b in bm.block_table(seq)})
+        return choose_preemption(self.config.preemption_mode, bm.can_swap_out(group), num_blocks,
+                                 recompute_tokens(group), self.costs)
 
     def _schedule_swapped(self, plan: _StepPlan, budget: int) -> int:
         while self.swapped and budget > 0:

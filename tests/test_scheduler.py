@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.request import RequestStatus, SamplingParams, SequenceGroup
-from engine.scheduler import QueueFullError, Scheduler, SchedulerOutput
+from engine.scheduler import (
+    PreemptionCosts,
+    QueueFullError,
+    Scheduler,
+    SchedulerOutput,
+    choose_preemption,
+    recompute_tokens,
+)
 
 
 def test_imports_do_not_pull_torch() -> None:
@@ -205,10 +212,11 @@ def make(
     num_device: int = 16,
     num_cpu: int = 0,
     caching: bool = True,
+    costs: PreemptionCosts | None = None,
     **cfg: object,
 ) -> Driver:
     bm = BlockManager(block_size, num_device, num_cpu, enable_prefix_caching=caching)
-    return Driver(Scheduler(SchedulerConfig(**cfg), bm))  # type: ignore[arg-type]
+    return Driver(Scheduler(SchedulerConfig(**cfg), bm, costs))  # type: ignore[arg-type]
 
 
 def prompt(length: int, salt: int = 0) -> list[int]:
@@ -333,6 +341,69 @@ def test_swap_without_cpu_room_falls_back_to_recompute() -> None:
         d.add(prompt(4, salt=i), max_tokens=8)
     d.run()
     assert d.s.num_preemptions["swap"] == 0 and d.s.num_preemptions["recompute"] >= 1
+
+
+# -- auto preemption: swap or recompute by cost ----------------------------------------------------
+CHEAP_SWAP = PreemptionCosts(swap_seconds_per_block=1e-6, prefill_seconds_per_token=1e-3)
+DEAR_SWAP = PreemptionCosts(swap_seconds_per_block=1.0, prefill_seconds_per_token=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("costs", "num_cpu", "chosen"),
+    [(CHEAP_SWAP, 8, "swap"), (DEAR_SWAP, 8, "recompute"), (CHEAP_SWAP, 0, "recompute"),
+     (CHEAP_SWAP, 1, "recompute")],  # the victim holds 2 blocks: 1 CPU block is too short
+    ids=["cheap-swap", "expensive-swap", "no-swap-space", "short-swap-space"],
+)
+def test_auto_preemption_picks_the_cheaper_mode(costs: PreemptionCosts, num_cpu: int, chosen: str) -> None:
+    d = make(block_size=4, num_device=6, num_cpu=num_cpu, preemption_mode="auto",
+             costs=PreemptionCosts(costs.swap_seconds_per_block, costs.prefill_seconds_per_token))
+    a, b, c = (d.add(prompt(4, salt=i), max_tokens=8) for i in range(3))
+    for _ in range(5):
+        assert not d.step().preempted
+    out = d.step()
+    assert out.preempted == (c.request_id,)
+    assert bool(out.blocks_to_swap_out) == (chosen == "swap")
+    assert c.status is (RequestStatus.SWAPPED if chosen == "swap" else RequestStatus.WAITING)
+    d.run()
+    other = "recompute" if chosen == "swap" else "swap"
+    assert d.s.num_preemptions[chosen] >= 1 and d.s.num_preemptions[other] == 0
+    assert d.s.stats()[f"preemptions_{chosen}"] == d.s.num_preemptions[chosen]
+    assert all(g.seqs[0].num_output_tokens == g.sampling_params.max_tokens for g in d.groups)
+
+
+def test_choose_preemption_compares_round_trip_against_prefill() -> None:
+    costs = PreemptionCosts(swap_seconds_per_block=2e-3, prefill_seconds_per_token=1e-4)
+    # 3 blocks: 6 ms of swapping against 50 tokens (5 ms) or 70 tokens (7 ms) of prefill.
+    assert choose_preemption("auto", True, 3, 50, costs) == "recompute"
+    assert choose_preemption("auto", True, 3, 70, costs) == "swap"
+    assert choose_preemption("auto", True, 3, 60, costs) == "swap"  # a tie redoes no work
+    assert choose_preemption("auto", False, 3, 10**6, costs) == "recompute"
+    assert choose_preemption("swap", True, 3, 1, costs) == "swap"
+    assert choose_preemption("swap", False, 3, 1, costs) == "recompute"
+    assert choose_preemption("recompute", True, 3, 10**6, costs) == "recompute"
+
+
+def test_recompute_tokens_count_a_shared_prompt_once() -> None:
+    d = make(block_size=2, num_device=32)
+    g = d.add(prompt(5), max_tokens=4, n=3)
+    assert recompute_tokens(g) == 0
+    d.step()  # the prompt, then the fork into 3 samples of 1 token each
+    d.step()  # each sample's first token computed
+    assert [s.num_computed_tokens for s in g.seqs] == [6, 6, 6]
+    assert recompute_tokens(g) == 5 + 3 * 1
+
+
+def test_preemption_costs_start_from_the_first_timing_then_average() -> None:
+    costs = PreemptionCosts()
+    costs.observe_prefill(100, 0.5)
+    assert costs.prefill_measured and costs.prefill_seconds_per_token == pytest.approx(5e-3)
+    costs.observe_prefill(100, 0.1)
+    assert 1e-3 < costs.prefill_seconds_per_token < 5e-3
+    costs.observe_swap(4, 0.002)  # one way: a round trip costs twice as much
+    assert costs.swap_seconds_per_block == pytest.approx(1e-3)
+    costs.observe_swap(0, 1.0)
+    costs.observe_prefill(0, 1.0)
+    assert costs.swap_seconds_per_block == pytest.approx(1e-3)
 
 
 @pytest.mark.parametrize(("caching", "len_a", "len_b"), [(False, 2, 3), (True, 4, 6)])
@@ -478,12 +549,18 @@ def test_stats_are_back_to_idle_after_everything_ends() -> None:
 # -- oversubscription and random operation sequences --------------------------------------------
 
 
-@pytest.mark.parametrize(("mode", "num_cpu"), [("swap", 64), ("recompute", 64), ("swap", 0), ("swap", 3)])
+# Swapping a block costs as much as prefilling 3 tokens: auto swaps only groups whose blocks are >= 3/4 full.
+BALANCED = PreemptionCosts(swap_seconds_per_block=3e-3, prefill_seconds_per_token=1e-3)
+
+
+@pytest.mark.parametrize(("mode", "num_cpu"), [("swap", 64), ("recompute", 64), ("swap", 0), ("swap", 3),
+                                               ("auto", 64), ("auto", 3)])
 def test_oversubscribed_workload_finishes(mode: str, num_cpu: int) -> None:
     d = make(
         block_size=4,
         num_device=16,
         num_cpu=num_cpu,
+        costs=PreemptionCosts(BALANCED.swap_seconds_per_block, BALANCED.prefill_seconds_per_token),
         preemption_mode=mode,
         max_num_batched_tokens=24,
         max_num_seqs=8,
@@ -499,6 +576,8 @@ def test_oversubscribed_workload_finishes(mode: str, num_cpu: int) -> None:
     assert preemptions["swap"] + preemptions["recompute"] > 0, "workload did not oversubscribe"
     if num_cpu == 0 or mode == "recompute":
         assert preemptions["swap"] == 0
+    if mode == "auto":  # groups both fuller and emptier than the break-even fill, or short of CPU room
+        assert preemptions["swap"] > 0 and preemptions["recompute"] > 0
 
 
 @settings(max_examples=150, deadline=None)
@@ -506,7 +585,7 @@ def test_oversubscribed_workload_finishes(mode: str, num_cpu: int) -> None:
     block_size=st.integers(1, 4),
     num_device=st.integers(4, 16),
     num_cpu=st.integers(0, 8),
-    mode=st.sampled_from(["swap", "recompute"]),
+    mode=st.sampled_from(["swap", "recompute", "auto"]),
     caching=st.booleans(),
     budget=st.integers(2, 24),
     max_num_seqs=st.integers(3, 8),
@@ -527,6 +606,7 @@ def test_random_operations(
         num_device,
         num_cpu,
         caching=caching,
+        costs=PreemptionCosts(BALANCED.swap_seconds_per_block, BALANCED.prefill_seconds_per_token),
         preemption_mode=mode,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
