@@ -19,7 +19,14 @@ from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa:
 
 from engine.client import EngineDeadError
 from engine.engine import RequestDelta
-from engine.engine_process import ProcessEngine, _environ, child_environment, find_tcmalloc
+from engine.engine_process import (
+    ENGINE_SPINCOUNT,
+    ProcessEngine,
+    _environ,
+    _omp_wait,
+    child_environment,
+    find_tcmalloc,
+)
 from engine.request import SamplingParams
 from engine.scheduler import QueueFullError
 
@@ -87,9 +94,11 @@ async def test_greedy_tokens_equal_the_in_process_llm(engine: ProcessEngine) -> 
         assert deltas[-1].request_finished and deltas[-1].finish_reason == "length"
         assert deltas[-1].completion_tokens == 16
     assert engine.model_name and engine.max_model_len > 0 and engine.is_running
-    # The child runs on tcmalloc when the machine has it, and with passive OpenMP waits.
+    # The child runs on tcmalloc when the machine has it, and with a short OpenMP spin unless the operator
+    # chose how its workers wait.
     assert engine.info.allocator.startswith("tcmalloc") == (find_tcmalloc() is not None)
-    assert engine.info.omp_wait_policy == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    chosen = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)
+    assert engine.info.omp_wait_policy == (_omp_wait() if chosen else f"GOMP_SPINCOUNT={ENGINE_SPINCOUNT}")
 
 
 @pytest.mark.integration
@@ -250,11 +259,11 @@ def test_tcmalloc_is_found_and_the_child_environment_is_set_only_around_the_star
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     env = child_environment("/x/libtcmalloc.so")
-    assert env == {"LD_PRELOAD": "/x/libtcmalloc.so:/y/libother.so", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert env == {"LD_PRELOAD": "/x/libtcmalloc.so:/y/libother.so", "GOMP_SPINCOUNT": ENGINE_SPINCOUNT}
     with _environ(env):
         assert os.environ["LD_PRELOAD"].split(":")[0] == "/x/libtcmalloc.so"
-        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert os.environ["LD_PRELOAD"] == "/y/libother.so" and "OMP_WAIT_POLICY" not in os.environ
+        assert os.environ["GOMP_SPINCOUNT"] == ENGINE_SPINCOUNT
+    assert os.environ["LD_PRELOAD"] == "/y/libother.so" and "GOMP_SPINCOUNT" not in os.environ
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice is kept
     assert child_environment(None) == {}
     monkeypatch.delenv("OMP_WAIT_POLICY")
