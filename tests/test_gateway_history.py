@@ -1,0 +1,58 @@
+"""chatsvc/history.py: a session's history is cut from its oldest turn until the reply has room."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatsvc.history import fit_conversation
+
+
+class WordTokenizer:
+    """One token per word plus two per message: enough to make lengths predictable."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
+        self.calls += 1
+        ids: list[int] = []
+        for m in messages:
+            ids += [1] + [len(w) for w in m["content"].split()] + [2]
+        return ids + ([3] if add_generation_prompt else [])
+
+
+def turns(n: int, words: int = 10) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        out.append({"role": "user", "content": " ".join([f"u{i}"] * words)})
+        out.append({"role": "assistant", "content": " ".join([f"a{i}"] * words)})
+    return out
+
+
+def test_a_history_that_fits_is_kept_whole() -> None:
+    tok = WordTokenizer()
+    prompt, dropped = fit_conversation(tok, "sys", turns(3), "hello", max_model_len=200, room=16)
+    assert dropped == 0 and len(prompt) == 2 + 1 + 6 * 12 + 3 + 1
+    assert tok.calls == 1
+
+
+def test_the_fewest_oldest_turns_are_dropped_and_the_system_prompt_stays() -> None:
+    tok = WordTokenizer()
+    history = turns(6)  # each turn: 24 tokens
+    full, _ = fit_conversation(tok, "be brief", history, "hello", max_model_len=10_000, room=0)
+    limit = len(full) - 24 * 2 + 10  # room for all but the two oldest turns, with 10 tokens spare
+    prompt, dropped = fit_conversation(tok, "be brief", history, "hello", max_model_len=limit, room=10)
+    assert dropped == 2
+    assert len(prompt) + 10 <= limit
+    assert prompt[:4] == [1, 2, 5, 2]  # the system message is still first
+    # one turn fewer dropped would not have fitted
+    assert len(full) - 24 + 10 > limit
+
+
+def test_when_nothing_but_the_new_message_fits_every_turn_is_dropped() -> None:
+    tok = WordTokenizer()
+    prompt, dropped = fit_conversation(tok, "sys", turns(4), "a long new message " * 20, max_model_len=50, room=10)
+    assert dropped == 4
+    assert prompt == tok.apply_chat_template([{"role": "system", "content": "sys"},
+                                              {"role": "user", "content": "a long new message " * 20}],
+                                             add_generation_prompt=True)

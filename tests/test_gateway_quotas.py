@@ -1,0 +1,76 @@
+"""chatsvc/quotas.py: per-key limits answer 429 with Retry-After; the anonymous owner (no keys) has none."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from chatsvc import quotas as quotas_module
+from chatsvc.auth import ANON
+from chatsvc.errors import APIError
+from chatsvc.quotas import FrameBudget, Quotas
+from chatsvc.settings import Settings
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(quotas_module.time, "monotonic", c)
+    return c
+
+
+def settings(**kw: int) -> Settings:
+    return dataclasses.replace(Settings(), **kw)
+
+
+def test_concurrent_generations_are_capped_per_key_counting_session_turns() -> None:
+    q = Quotas(settings(max_streams_per_key=2, retry_after_s=3))
+    q.start_stream("k1")
+    with pytest.raises(APIError) as exc:
+        q.start_stream("k1", session_turns=1)
+    assert exc.value.status == 429 and exc.value.code == "quota_exceeded"
+    assert exc.value.headers == {"Retry-After": "3"}
+    q.start_stream("k2", session_turns=1)  # another key has its own count
+    q.end_stream("k1")
+    q.start_stream("k1", session_turns=1)
+    for _ in range(5):
+        q.start_stream(ANON)  # no keys configured: no quota
+
+
+def test_new_sessions_per_minute_slide_with_the_clock(clock: Clock) -> None:
+    q = Quotas(settings(max_sessions_per_minute=2))
+    q.new_session("k")
+    clock.now += 30
+    q.new_session("k")
+    with pytest.raises(APIError) as exc:
+        q.new_session("k")
+    assert exc.value.headers == {"Retry-After": "31"}  # the first one leaves the window in 30 s
+    clock.now += 31
+    q.new_session("k")
+
+
+def test_open_sockets_are_capped_and_released() -> None:
+    q = Quotas(settings(max_sockets_per_key=1))
+    q.open_socket("k")
+    with pytest.raises(APIError):
+        q.open_socket("k")
+    q.close_socket("k")
+    q.open_socket("k")
+    assert dict(q.sockets) == {"k": 1}
+
+
+def test_frame_budget_allows_a_burst_then_the_rate(clock: Clock) -> None:
+    budget = FrameBudget(rate=5)
+    assert all(budget.take() for _ in range(10))  # a burst of twice the rate
+    assert not budget.take()
+    clock.now += 0.2  # one more frame's worth
+    assert budget.take() and not budget.take()
