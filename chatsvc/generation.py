@@ -61,7 +61,7 @@ class Generation:
         it, self._it = self._it, None
         # EngineClient.generate promises an AsyncIterator; both engines return async generators.
         if it is not None and hasattr(it, "aclose"):
-            await it.aclose()  # type: ignore[attr-defined]
+            await it.aclose()
 
     async def deltas(self) -> AsyncIterator[Any]:
         """All deltas; leaving the loop early (break, cancellation, error) aborts the request."""

@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "kernels", "chatsvc")
-STRICT_PACKAGES = ("engine", "kernels")
+STRICT_PACKAGES = ("engine", "kernels", "chatsvc")
 TORCH_FREE = {"engine.block_pool", "engine.block_manager", "engine.scheduler", "engine.plan", "engine.config",
               "engine.request"}
 MECHANISM = ("engine.runner", "engine.model", "kernels")
@@ -128,8 +128,9 @@ def test_mypy_passes() -> None:
 
 
 @pytest.mark.slow
-def test_mypy_is_strict_on_the_engine_and_kernels() -> None:
-    """The engine and kernels packages pass ``--strict``: no untyped defs, no Any leaking out of torch calls."""
+def test_mypy_is_strict_on_the_engine_kernels_and_gateway() -> None:
+    """The engine, kernels and gateway packages pass ``--strict``: no untyped defs, no Any leaking out of
+    torch calls or parsed JSON."""
     proc = subprocess.run([sys.executable, "-m", "mypy", "--strict", *STRICT_PACKAGES], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -42,8 +42,9 @@ def _prompt_of(item: Any) -> str | None:
                     return value if isinstance(value, str) else None
             return None
     for key in ("prompt", "text", "content"):
-        if isinstance(item.get(key), str):
-            return item[key]
+        value = item.get(key)
+        if isinstance(value, str):
+            return value
     return None
 
 
