@@ -62,14 +62,19 @@ class RecordingBackend:
         return torch.full_like(query, 2.0)
 
 
-def test_mixed_step_splits_decodes_and_prefills() -> None:
-    rec = RecordingBackend()
-    layer = PagedAttention(layer_idx=1, num_heads=4, num_kv_heads=2, head_dim=8, backend=rec.as_backend())
-    meta = AttentionMetadata(
+def mixed_step_metadata() -> AttentionMetadata:
+    """Two decodes (contexts 9 and 4) then two prefill chunks of 3 and 2 tokens."""
+    return AttentionMetadata(
         slot_mapping=torch.arange(7), block_tables=torch.tensor([[0], [1], [2], [3]], dtype=torch.int32),
         context_lens=torch.tensor([9, 4, 3, 2], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 1, 2, 5, 7], dtype=torch.int32), num_decodes=2, max_query_len=3,
         max_context_len=9)
+
+
+def test_mixed_step_splits_decodes_and_prefills() -> None:
+    rec = RecordingBackend()
+    layer = PagedAttention(layer_idx=1, num_heads=4, num_kv_heads=2, head_dim=8, backend=rec.as_backend())
+    meta = mixed_step_metadata()
     kv = torch.zeros(2, 2, 4, 4, 2, 8)
     out = layer(torch.zeros(7, 4, 8), torch.zeros(7, 2, 8), torch.zeros(7, 2, 8), kv, meta)
     assert [name for name, _ in rec.calls] == ["write", "decode", "prefill"]
@@ -83,11 +88,7 @@ def test_mixed_step_splits_decodes_and_prefills() -> None:
 def test_mixed_step_is_one_call_when_the_prefill_kernel_takes_decodes() -> None:
     rec = RecordingBackend(mixed_batches=True)
     layer = PagedAttention(layer_idx=1, num_heads=4, num_kv_heads=2, head_dim=8, backend=rec.as_backend())
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(7), block_tables=torch.tensor([[0], [1], [2], [3]], dtype=torch.int32),
-        context_lens=torch.tensor([9, 4, 3, 2], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 1, 2, 5, 7], dtype=torch.int32), num_decodes=2, max_query_len=3,
-        max_context_len=9)
+    meta = mixed_step_metadata()
     out = layer(torch.zeros(7, 4, 8), torch.zeros(7, 2, 8), torch.zeros(7, 2, 8), torch.zeros(2, 2, 4, 4, 2, 8), meta)
     assert [name for name, _ in rec.calls] == ["write", "prefill"]
     assert rec.calls[1][1] == {"rows": 7, "tables": [[0], [1], [2], [3]], "starts": [0, 1, 2, 5, 7],

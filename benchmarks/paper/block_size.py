@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workload import PAPER_DIR, ROOT, drive, request_tokens, sharegpt_prompt_lengths  # noqa: E402
+from workload import PAPER_DIR, ROOT, drive, request_tokens, sharegpt_prompt_lengths, write_record  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
@@ -186,13 +186,8 @@ def main() -> None:
         "the second effect; the first needs --throughput.",
         json.dumps({"results": [asdict(r) for r in results], "machine": machine.as_dict(), "command": command}),
     ]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text("\n".join(lines) + "\n")
-    png = args.output.with_suffix(".png")
-    plot(results, png, f"Block size vs KV utilization, ShareGPT ({len(prompt_lens)} requests), "
-                       f"KV budget {args.kv_tokens} tokens")
-    print("\n".join(lines[:-1]))
-    print(f"wrote {args.output} and {png}")
+    title = f"Block size vs KV utilization, ShareGPT ({len(prompt_lens)} requests), KV budget {args.kv_tokens} tokens"
+    write_record(args.output, lines, lambda png: plot(results, png, title))
 
 
 if __name__ == "__main__":

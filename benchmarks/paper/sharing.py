@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from workload import PAPER_DIR, ROOT, drive, request_tokens, sharegpt_prompt_lengths  # noqa: E402
+from workload import PAPER_DIR, ROOT, drive, request_tokens, sharegpt_prompt_lengths, write_record  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
 from engine.block_manager import BlockManager  # noqa: E402
@@ -225,13 +225,9 @@ def main() -> None:
         "prompt and with n, and shrinks as the outputs grow.",
         json.dumps({"results": [asdict(r) for r in results], "machine": machine.as_dict(), "command": command}),
     ]
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text("\n".join(lines) + "\n")
-    png = args.output.with_suffix(".png")
-    plot(results, png, f"Parallel sampling: KV blocks saved by sharing\nSmolLM2-135M tokens, block size "
-                       f"{args.block_size}, {args.max_tokens} output tokens per sample")
-    print("\n".join(lines[:-1]))
-    print(f"wrote {args.output} and {png}")
+    title = (f"Parallel sampling: KV blocks saved by sharing\nSmolLM2-135M tokens, block size {args.block_size}, "
+             f"{args.max_tokens} output tokens per sample")
+    write_record(args.output, lines, lambda png: plot(results, png, title))
 
 
 if __name__ == "__main__":

@@ -76,3 +76,14 @@ def drive(scheduler: Scheduler, on_step: Callable[[Scheduler], None], max_model_
         if steps > 10_000_000:
             raise RuntimeError("no progress")
     return steps
+
+
+def write_record(output: Path, lines: list[str], plot: Callable[[Path], None]) -> None:
+    """The record (its last line the JSON one) to ``output``, its figure beside it as PNG, and the record
+    but its JSON line to stdout."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("\n".join(lines) + "\n")
+    png = output.with_suffix(".png")
+    plot(png)
+    print("\n".join(lines[:-1]))
+    print(f"wrote {output} and {png}")
