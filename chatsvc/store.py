@@ -72,6 +72,13 @@ local function replied_of(turns)
   return turns  -- a session written before replies were tracked: nothing pending
 end
 
+-- Compare-and-delete of our lock, and the session out of our instance's lock index.
+local function release(token)
+  if redis.call('GET', KEYS[3]) == token then redis.call('DEL', KEYS[3]) end
+  local name = string.match(token, '^(.*)|[^|]*|%d+$')
+  redis.call('SREM', P .. 'instance:' .. name .. ':locks', SID)
+end
+
 local function touch()
   redis.call('EXPIRE', KEYS[1], SESSION_TTL)
   redis.call('EXPIRE', KEYS[2], SESSION_TTL)
@@ -145,9 +152,7 @@ if redis.call('EXISTS', KEYS[1]) == 1 then
 else
   redis.call('DEL', KEYS[2])  -- deleted mid-reply: no orphan message list
 end
-if redis.call('GET', KEYS[3]) == token then redis.call('DEL', KEYS[3]) end
-local name = string.match(token, '^(.*)|[^|]*|%d+$')
-redis.call('SREM', P .. 'instance:' .. name .. ':locks', SID)
+release(token)
 return out
 """
 
@@ -161,9 +166,7 @@ if turns == turn and replied_of(turns) < turn then
   redis.call('HSET', KEYS[1], 'turns', turn - 1, 'replied', turn - 1)
   out = 1
 end
-if redis.call('GET', KEYS[3]) == token then redis.call('DEL', KEYS[3]) end
-local name = string.match(token, '^(.*)|[^|]*|%d+$')
-redis.call('SREM', P .. 'instance:' .. name .. ':locks', SID)
+release(token)
 return out
 """
 
