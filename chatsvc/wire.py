@@ -68,9 +68,10 @@ class ChunkTemplate:
 
 
 class EventStream(EventSourceResponse):
-    """sse-starlette's response without a cancel scope per sent event when no send timeout is set (as
-    here): ``anyio.move_on_after(None)`` never fires, but entering and leaving it cost more per token
-    than rendering the event."""
+    """sse-starlette's response without a cancel scope per sent event when no send timeout is set:
+    ``anyio.move_on_after(None)`` never fires, but entering and leaving it cost more per token than
+    rendering the event. The gateway's routes do set one (``Settings.sse_send_timeout_s``, so a reader
+    that stops reading is detached), and pay that scope per event."""
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:
         if self.send_timeout is None:
