@@ -58,7 +58,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # Engine flags are generated from EngineConfig's fields: --field-name (a bool that defaults to True becomes
-# --no-field-name), Literal fields get their values as choices, the field's help is the flag's. Only what the
+# --no-field-name, a bool | None both --field-name and --no-field-name), Literal fields get their values as choices, the field's help is the flag's. Only what the
 # server does differently from the engine's defaults, and older flag spellings, are listed here.
 _SERVE_DEFAULTS: dict[str, Any] = {"max_waiting": 256}  # a server answers 429 early instead of queueing long
 _FLAG_ALIASES: dict[str, tuple[str, ...]] = {"preemption_mode": ("--preemption",),
@@ -79,6 +79,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                                 action="store_false", help=help_text)
             continue
         hint = hints[f.name]
+        if bool in typing.get_args(hint):  # bool | None: None lets the engine decide
+            target.add_argument(flag, dest=f.name, default=default, action=argparse.BooleanOptionalAction,
+                                help=help_text)
+            continue
         choices = literal_choices(hint)
         kind: type[int] | type[str] = int if int in typing.get_args(hint) or hint is int else str
         target.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), dest=f.name, default=default,

@@ -57,6 +57,9 @@ class EngineConfig:
         "auto", "onednn: weights packed once for oneDNN (auto: where it runs the dtype natively)")
     engine_threads: int | None = _setting(None, "torch threads of the engine (default: as torch chooses; all "
                                                 "cores in an engine process)")
+    adaptive_threads: bool | None = _setting(
+        None, "run each step on engine_threads or one fewer, whichever its measured step times say is faster "
+              "(default: on in an engine process, which shares the cores with the gateway; off in LLM)")
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):  # a Path is as good as its string, and pickles the same

@@ -24,6 +24,7 @@ from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequenc
 from engine.runner import ModelRunner, kv_bytes_per_block
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.scheduler import PreemptionCosts, QueueFullError, Scheduler
+from engine.threads import ThreadGovernor
 from kernels import get_backend
 
 log = logging.getLogger("chatsvc.engine")
@@ -117,6 +118,7 @@ class LLMEngine:
             raise ValueError("device='cuda' requested but CUDA is not available")
         if config.engine_threads is not None:
             torch.set_num_threads(config.engine_threads)
+        self.threads = ThreadGovernor(torch.get_num_threads()) if config.adaptive_threads else None
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         backend = get_backend(config.attention_backend, config.device)
@@ -206,7 +208,9 @@ class LLMEngine:
         # running them again after a failed forward would copy overwritten KV.
         self._execute_block_plans(out)
         out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=())
-        started: float | None = time.perf_counter()
+        now = time.perf_counter()
+        threads = self._set_threads(out.num_batched_tokens, now)
+        started: float | None = now
         try:
             logits, samplers = self._forward(out)
         except Exception as exc:  # noqa: BLE001 - isolated below; only the culprits fail
@@ -219,9 +223,21 @@ class LLMEngine:
         rows = self._sampling_rows(samplers)
         result = self._sample(logits, rows)  # its token ids are on the host: the step's work is done
         if started is not None:
-            self._observe_prefill(out, time.perf_counter() - started)
+            ended = time.perf_counter()
+            self._observe_prefill(out, ended - started)
+            if self.threads is not None:
+                self.threads.observe(threads, out.num_batched_tokens, ended - started, ended)
         deltas.extend(self._postprocess(rows, result))
         return deltas
+
+    def _set_threads(self, tokens: int, now: float) -> int:
+        """The thread count this step runs on: the governor's choice, or whatever torch has."""
+        if self.threads is None:
+            return torch.get_num_threads()
+        threads = self.threads.choose(tokens, now)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return threads
 
     # -- what preemption costs (for preemption_mode="auto") -----------------------------------------
     def _execute_block_plans(self, out: SchedulerOutput) -> None:
@@ -433,8 +449,10 @@ class LLMEngine:
     def stats(self) -> dict[str, Any]:
         """Counters only: cheap enough for the async engine to publish after every step."""
         costs = self.scheduler.costs
+        threads = {} if self.threads is None else {"step_threads": torch.get_num_threads(),
+                                                     "step_thread_switches": self.threads.switches}
         return {**self.scheduler.stats(), "swap_seconds_per_block": costs.swap_seconds_per_block,
-                "prefill_seconds_per_token": costs.prefill_seconds_per_token}
+                "prefill_seconds_per_token": costs.prefill_seconds_per_token, **threads}
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(device slots holding a token, slots allocated); walks every table, so benchmarks only."""

@@ -413,6 +413,8 @@ class ProcessEngine(EngineClient):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         if config.engine_threads is None:
             config = dataclasses.replace(config, engine_threads=default_engine_threads())
+        if config.adaptive_threads is None:
+            config = dataclasses.replace(config, adaptive_threads=True)
         self.config = config
         self._fault_prefix = fault_request_prefix
         self._startup_timeout_s = startup_timeout_s

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 import httpx
@@ -140,6 +141,10 @@ def test_every_engine_setting_has_a_flag_that_reaches_the_config() -> None:
         choices = literal_choices(hints[f.name])
         if f.default is True:
             argv, want = [f"--no-{flag[2:]}"], False
+        elif bool in typing.get_args(hints[f.name]):  # bool | None: both spellings, unset stays None
+            assert getattr(engine_config(parser.parse_args([])), f.name) is None, f.name
+            argv, want = [f"--no-{flag[2:]}"], False
+            assert getattr(engine_config(parser.parse_args([flag])), f.name) is True, f.name
         elif choices:
             want = next(c for c in choices if c != f.default)
             argv = [flag, str(want)]

@@ -1,0 +1,97 @@
+"""How many OpenMP threads the engine's next step runs on, chosen from the step times it has seen.
+
+On a machine whose cores the engine shares (the gateway, its clients, Redis), a step on every core can be
+several times slower than a step on one core fewer: a step runs a few hundred short parallel regions, and
+each one waits at its barrier for whichever team thread the kernel has preempted. On the 2-core VM this
+project is measured on, four decode rows with the machine busy took 0.19 s a step on 2 threads and 0.035 s
+on 1 (``engine_threads`` 2 vs 1, same process, alternated); with the cores free, 2 threads are 1.6x faster
+than 1. Neither fixed count is right for a server, so the engine measures.
+
+The choice is between all the engine's threads and one fewer (the core the other processes want). Steps
+are grouped by size (tokens, in powers of two): a group's time per step is kept for each thread count as a
+moving average, and the faster count runs. The other count is retried, one step, once its figure is older
+than its retry interval; a retry that loses clearly doubles that interval (up to ``max_retry_s``), one that
+wins resets it. A retry on a contended machine costs one slow step per interval, so backing off keeps
+that cost small, while the current count's own figure rising past the other's switches at once.
+
+No torch here: the engine applies the count (``torch.set_num_threads``) and reports the step's time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ThreadGovernor"]
+
+
+@dataclass
+class _Figure:
+    seconds: float  # moving average of a step's wall time
+    at: float  # when it was last measured
+
+
+class ThreadGovernor:
+    def __init__(self, max_threads: int, *, retry_s: float = 1.0, max_retry_s: float = 16.0,
+                 smoothing: float = 0.3, clear_loss: float = 1.3) -> None:
+        if max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        self.max_threads = max_threads
+        self.candidates: tuple[int, ...] = (max_threads, max_threads - 1) if max_threads > 1 else (1,)
+        self.retry_s, self.max_retry_s = retry_s, max_retry_s
+        self.smoothing, self.clear_loss = smoothing, clear_loss
+        self._figures: dict[tuple[int, int], _Figure] = {}
+        self._interval: dict[tuple[int, int], float] = {}
+        self._probing: tuple[int, int] | None = None
+        self.switches = 0
+        self._last_choice = max_threads
+
+    @staticmethod
+    def group(tokens: int) -> int:
+        return max(1, tokens).bit_length()
+
+    def choose(self, tokens: int, now: float) -> int:
+        """The thread count for a step of ``tokens`` tokens starting at ``now`` (seconds, any clock)."""
+        g = self.group(tokens)
+        known = {n: f for n in self.candidates if (f := self._figures.get((g, n))) is not None}
+        if not known:  # a new size: all threads first, the other count from the next step on
+            self._probing = None
+            return self._count(self.max_threads)
+        best = min(known, key=lambda n: known[n].seconds)
+        choice, self._probing = best, None
+        for n in self.candidates:
+            if n == best:
+                continue
+            figure = known.get(n)
+            if figure is None or now - figure.at >= self._interval.get((g, n), self.retry_s):
+                choice, self._probing = n, (g, n)
+                break
+        return self._count(choice)
+
+    def _count(self, choice: int) -> int:
+        if choice != self._last_choice:
+            self.switches += 1
+            self._last_choice = choice
+        return choice
+
+    def observe(self, threads: int, tokens: int, seconds: float, now: float) -> None:
+        """Record that a step of ``tokens`` tokens took ``seconds`` on ``threads`` threads, ending at ``now``."""
+        key = (self.group(tokens), threads)
+        figure = self._figures.get(key)
+        if self._probing == key:
+            # A retry measures a figure that is stale by design: it replaces the old one.
+            others = [f.seconds for (g, n), f in self._figures.items() if g == key[0] and n != threads]
+            lost = bool(others) and seconds > self.clear_loss * min(others)
+            interval = self._interval.get(key, self.retry_s)
+            self._interval[key] = min(2 * interval, self.max_retry_s) if lost else self.retry_s
+            self._figures[key] = _Figure(seconds, now)
+            self._probing = None
+        elif figure is None:
+            self._figures[key] = _Figure(seconds, now)
+        else:
+            figure.seconds += self.smoothing * (seconds - figure.seconds)
+            figure.at = now
+
+    def stats(self) -> dict[str, float]:
+        """Per size group and thread count, the average step time in ms (for logs and /metrics)."""
+        return {f"{1 << (g - 1)}+ tokens/{n} threads": round(f.seconds * 1e3, 2)
+                for (g, n), f in sorted(self._figures.items())}
