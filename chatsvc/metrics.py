@@ -45,6 +45,10 @@ class EngineCollector(Collector):
                                   value=float(s.get("prefix_cache_queried_tokens", 0)))
         yield CounterMetricFamily("chatsvc_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=float(s.get("prefix_cache_hit_tokens", 0)))
+        yield CounterMetricFamily("chatsvc_stream_deltas_coalesced", "Deltas merged into an earlier one for a slow reader",
+                                  value=float(s.get("stream_deltas_coalesced", 0)))
+        yield CounterMetricFamily("chatsvc_streams_overflowed", "Requests aborted because their reader fell too far behind",
+                                  value=float(s.get("streams_overflowed", 0)))
         pre = CounterMetricFamily("chatsvc_preemptions", "Preempted sequence groups", labels=["mode"])
         pre.add_metric(["swap"], float(s.get("preemptions_swap", 0)))
         pre.add_metric(["recompute"], float(s.get("preemptions_recompute", 0)))
