@@ -127,7 +127,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     m = Metrics(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
                  metrics=m, personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings),
-                 offload=Offload(engine), quotas=Quotas(settings))
+                 offload=Offload(engine), quotas=Quotas(settings, m, engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -71,6 +71,8 @@ class Metrics:
         # Label children resolved once: streams open and close often.
         self.open_sse = self.open_streams.labels("sse")
         self.open_ws = self.open_streams.labels("ws")
+        self.quota_refused = Counter("chatsvc_quota_refused", "Requests refused by a per-key quota", ["quota"],
+                                     registry=r)
         self.finished_by_reason = {reason: self.finished.labels(reason) for reason in ("stop", "length", "abort",
                                                                                       "error")}
 

@@ -74,10 +74,11 @@ class _Tokens:
 
 
 async def _start(gw: Gateway, gen: Generation, owner: str) -> None:
-    """Admit the generation under the caller's concurrency quota (429 past it)."""
+    """Admit the generation under the caller's concurrency and waiting-queue quotas (429 past them)."""
     gw.quotas.start_stream(owner, gw.session_turns(owner))
     try:
-        await gen.start()
+        with gw.quotas.admitting(owner):
+            await gen.start()
     except BaseException:
         gw.quotas.end_stream(owner)
         raise

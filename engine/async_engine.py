@@ -237,6 +237,7 @@ class AsyncEngine(EngineClient):
         state = "running" if self.is_running else "stopped"
         return {**self._stats, "engine_state": state,
                 "last_step_age_s": time.monotonic() - self._heartbeat,
+                "max_waiting": self.engine.scheduler_config.max_waiting,
                 "stream_deltas_coalesced": self.stream_counters.coalesced,
                 "streams_overflowed": self.stream_counters.overflowed}
 

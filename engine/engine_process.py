@@ -764,6 +764,7 @@ class ProcessEngine(EngineClient):
         step (its heartbeat: it only grows while the child is stuck, or dead)."""
         return {**self._stats, "engine_state": self._state, "engine_restarts": self.restarts,
                 "last_step_age_s": time.monotonic() - self._heartbeat,
+                "max_waiting": self.info.max_waiting,
                 "stream_deltas_coalesced": self.stream_counters.coalesced,
                 "streams_overflowed": self.stream_counters.overflowed}
 
