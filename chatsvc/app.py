@@ -125,9 +125,11 @@ async def _sync_personas(gw: Gateway) -> None:
 def create_app(engine: EngineClient, store: Store, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     m = Metrics(engine)
+    offload = Offload(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
-                 metrics=m, personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings),
-                 offload=Offload(engine), quotas=Quotas(settings, m, engine))
+                 metrics=m, personas=Personas(engine, store, settings),
+                 turns=TurnRegistry(engine, store, m, settings, offload), offload=offload,
+                 quotas=Quotas(settings, m, engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
