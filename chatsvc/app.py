@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 import chatsvc
-from chatsvc import kv_routes, openai_routes, persona_routes, sessions, ws
+from chatsvc import auth_routes, kv_routes, openai_routes, persona_routes, sessions, ws
 from chatsvc.auth import Auth, bearer
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
@@ -160,6 +160,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *auth_routes.routes,
         *kv_routes.routes,
         *openai_routes.routes,
         *persona_routes.routes,
