@@ -21,7 +21,7 @@ from websockets.sync.client import connect
 from chatsvc.app import SECRET_KEY, create_app
 from chatsvc.cli import add_serve_arguments, settings_from_args
 from chatsvc.settings import Settings
-from chatsvc.store import Store
+from chatsvc.store import Store, session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 KEY = "key-secret-a"
@@ -181,7 +181,7 @@ def test_owner_ids_are_keyed_hmacs_that_survive_restarts(redis_proc, tiny_dir: P
     with serve(redis_proc.url, tiny_dir) as live:
         sid = httpx.post(live.url + "/v1/sessions", json={}, headers=A).json()["id"]
     secret = r.get(SECRET_KEY)
-    owner = r.hget(f"chatsvc:session:{sid}", "owner")
+    owner = r.hget(session_key(sid), "owner")
     assert secret and len(secret) == 64 and owner
     assert KEY not in owner and hashlib.sha256(KEY.encode()).hexdigest()[:24] not in owner
     with serve(redis_proc.url, tiny_dir) as live:  # a second start reuses the secret: the session is still ours

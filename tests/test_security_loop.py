@@ -19,7 +19,7 @@ from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa:
 from chatsvc.app import create_app
 from chatsvc.offload import TokenTexts, dumps_in_pieces
 from chatsvc.settings import Settings
-from chatsvc.store import Store
+from chatsvc.store import Store, session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 HEALTH_BUDGET_S = 0.2
@@ -114,8 +114,7 @@ def test_health_answers_while_a_session_turn_fits_a_huge_history(server: LiveSer
     tokens = len(Tokenizer.from_gguf(default_model_path()).encode(text))
     history = [json.dumps({"role": role, "content": text, "created": 0.0, "tokens": tokens})
                for _ in range(300) for role in ("user", "assistant")]
-    store = Store.from_url(redis_proc.url)
-    sync_redis.Redis.from_url(redis_proc.url).rpush(store._skey(sid) + ":messages", *history)
+    sync_redis.Redis.from_url(redis_proc.url).rpush(session_key(sid) + ":messages", *history)
 
     def heavy() -> httpx.Response:
         return httpx.post(f"{server.url}/v1/sessions/{sid}/messages", json={"content": text, "max_tokens": 8},
