@@ -257,3 +257,54 @@ def test_a_reader_past_the_hard_cap_is_cut_off_with_an_error_and_its_request_abo
     assert "fell more than 20000" in error["error"]["message"]
     assert sum(len(t) for t in texts(got).values()) < BODY["n"] * BODY["max_tokens"]
     assert b"chatsvc_streams_overflowed_total 1.0" in httpx.get(server.url + "/metrics").content
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_thread_engine_bounds_a_slow_readers_queue_too(tmp_path: Path) -> None:
+    """The same queues behind ``--engine thread``: merged while under the cap, aborted past it."""
+    from engine.async_engine import AsyncEngine
+    from engine.model.testing import make_tiny_model_dir
+    from engine.request import SamplingParams
+
+    tiny = make_tiny_model_dir(tmp_path, arch="llama", max_position_embeddings=2048)
+    eng = AsyncEngine.from_args(str(tiny), stream_limits=StreamLimits(coalesce_after=4, max_buffered=3000),
+                                **ENGINE_KW)
+
+    async def run() -> None:
+        await eng.start()
+        try:
+            async def engine_idle_after_running() -> None:
+                for want_running in (True, False):  # the engine's stats lag its first delta
+                    while bool(eng.stats()["requests_running"]) != want_running:
+                        await asyncio.sleep(0.005)
+
+            def params(max_tokens: int) -> SamplingParams:
+                return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=2, logprobs=2)
+
+            # Under the cap (2 x 300 tokens x 3 entries): the reader waits until the engine is done, then
+            # gets everything, in fewer deltas than the engine sent.
+            stream = eng.generate("fits", params(300), prompt="Hello")
+            first = await anext(stream)
+            await engine_idle_after_running()
+            rest = [d async for d in stream]
+            tokens = {i: [t for d in [first, *rest] if d.index == i for t in d.token_ids] for i in (0, 1)}
+            assert all(len(t) == 300 for t in tokens.values()) and len(rest) + 1 < 600
+            assert eng.stream_counters.coalesced > 0
+            # Past it (2 x 1000 x 3): aborted while the reader sleeps, its blocks freed; the reader gets the error.
+            stream = eng.generate("overflows", params(1000), prompt="Hello")
+            await anext(stream)
+            for _ in range(3000):
+                if eng.stream_counters.overflowed and not eng.stats()["requests_running"]:
+                    break
+                await asyncio.sleep(0.01)
+            assert eng.stream_counters.overflowed == 1
+            s = eng.stats()
+            assert s["requests_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+            with pytest.raises(StreamOverflowError):
+                async for _ in stream:
+                    pass
+        finally:
+            await eng.stop()
+
+    asyncio.run(run())
