@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 
 import chatsvc
-from chatsvc import kv_routes, openai_routes, persona_routes, sessions, ws
+from chatsvc import auth_routes, kv_routes, openai_routes, persona_routes, sessions, ws
 from chatsvc.auth import Auth, bearer
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
@@ -125,9 +125,11 @@ async def _sync_personas(gw: Gateway) -> None:
 def create_app(engine: EngineClient, store: Store, settings: Settings | None = None) -> Starlette:
     settings = settings or Settings()
     m = Metrics(engine)
+    offload = Offload(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
-                 metrics=m, personas=Personas(engine, store, settings), turns=TurnRegistry(engine, store, m, settings),
-                 offload=Offload(engine), quotas=Quotas(settings))
+                 metrics=m, personas=Personas(engine, store, settings),
+                 turns=TurnRegistry(engine, store, m, settings, offload), offload=offload,
+                 quotas=Quotas(settings, m, engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -158,6 +160,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *auth_routes.routes,
         *kv_routes.routes,
         *openai_routes.routes,
         *persona_routes.routes,

@@ -3,12 +3,18 @@
 A session belongs to the key that created it. The owner id stored in Redis is an HMAC of the key with a
 server secret kept in Redis (created once, on first start), so neither the keys nor an offline-guessable
 hash of them reach the store. Without configured keys every caller is "anon".
+
+A page need not keep the long-lived key: ``POST /v1/auth/token`` trades it for a short-lived access token
+(``cst1.<owner>.<expiry>.<HMAC>``, signed with a key derived from the same server secret, so every instance
+on one Redis accepts it), usable wherever a key is (Bearer header, WebSocket hello or subprotocol). It
+names only the owner id, expires, and stops working when its key is removed from the configuration.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from fnmatch import fnmatch
 from urllib.parse import urlsplit
 
@@ -24,8 +30,15 @@ WS_PROTOCOL = "chatsvc"
 SECRET_RETRY_AFTER_S = 2
 
 
+TOKEN_PREFIX = "cst1."
+
+
 def owner_id(key: str, secret: bytes) -> str:
     return "k" + hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _sign(token_key: bytes, owner: str, expires: int) -> str:
+    return hmac.new(token_key, f"{TOKEN_PREFIX}{owner}.{expires}".encode(), hashlib.sha256).hexdigest()
 
 
 class Auth:
@@ -35,6 +48,7 @@ class Auth:
         self.admin_keys = tuple(admin_keys)
         self._owners: dict[str, str] | None = None  # key -> owner id, once the server secret is known
         self._admins: frozenset[str] = frozenset()
+        self._token_key = b""  # signs access tokens; derived from the server secret
 
     @property
     def enabled(self) -> bool:
@@ -47,24 +61,53 @@ class Auth:
     def set_secret(self, secret: bytes) -> None:
         self._owners = {k: owner_id(k, secret) for k in self.api_keys}
         self._admins = frozenset(self._owners[k] for k in self.admin_keys)
+        self._token_key = hmac.new(secret, b"chatsvc access tokens", hashlib.sha256).digest()
 
     def is_admin(self, owner: str) -> bool:
         """Without keys the one anonymous owner runs the server, so it administers it too."""
         return owner == ANON if not self.enabled else owner in self._admins
 
-    def check_key(self, key: str | None) -> str:
-        """Return the owner id for ``key``, or raise 401 (503 until the server secret has been read)."""
+    def _secret_known(self) -> dict[str, str]:
+        if self._owners is None:
+            raise APIError(503, "starting: the session store has not been reached yet", code="redis_unavailable",
+                           headers={"Retry-After": str(SECRET_RETRY_AFTER_S)})
+        return self._owners
+
+    def check_key(self, key: str | None, tokens: bool = True) -> str:
+        """Return the owner id for ``key`` (an API key, or an access token unless ``tokens`` is False), or
+        raise 401 (503 until the server secret has been read)."""
         if not self.enabled:
             return ANON
         if not key:
             raise APIError(401, "missing API key (Authorization: Bearer <key>)", code="missing_api_key")
+        if tokens and key.startswith(TOKEN_PREFIX):
+            return self.check_token(key)
         match = next((k for k in self.api_keys if hmac.compare_digest(key.encode(), k.encode())), None)
         if match is None:
             raise APIError(401, "invalid API key", code="invalid_api_key")
-        if self._owners is None:
-            raise APIError(503, "starting: the session store has not been reached yet", code="redis_unavailable",
-                           headers={"Retry-After": str(SECRET_RETRY_AFTER_S)})
-        return self._owners[match]
+        return self._secret_known()[match]
+
+    def issue_token(self, owner: str, ttl_s: int, now: float | None = None) -> tuple[str, int]:
+        """(an access token for ``owner`` valid for ``ttl_s`` seconds, its expiry as a Unix time)."""
+        self._secret_known()
+        expires = int(time.time() if now is None else now) + ttl_s
+        return f"{TOKEN_PREFIX}{owner}.{expires}.{_sign(self._token_key, owner, expires)}", expires
+
+    def check_token(self, token: str, now: float | None = None) -> str:
+        """The owner id an access token names, or 401 if it is malformed, forged, expired or of a key no
+        longer configured."""
+        owners = self._secret_known()
+        owner, _, rest = token[len(TOKEN_PREFIX):].partition(".")
+        expiry, _, signature = rest.partition(".")
+        if not expiry.isdigit() or not hmac.compare_digest(signature.encode(),
+                                                            _sign(self._token_key, owner, int(expiry)).encode()):
+            raise APIError(401, "invalid access token", code="invalid_api_key")
+        if int(expiry) <= (time.time() if now is None else now):
+            raise APIError(401, "access token expired; get a new one from POST /v1/auth/token",
+                           code="token_expired")
+        if owner not in owners.values():
+            raise APIError(401, "access token of a key no longer accepted", code="invalid_api_key")
+        return owner
 
     def from_http(self, headers: Headers, query: QueryParams | None = None) -> str:
         # A key in a URL lands in access logs, proxies and browser history: refused, not just ignored, so

@@ -49,6 +49,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-streams-per-key", type=int, default=8, help="concurrent generations per API key")
     p.add_argument("--max-sessions-per-minute", type=int, default=30, help="new sessions per API key a minute")
     p.add_argument("--max-sockets-per-key", type=int, default=16, help="open WebSockets per API key")
+    p.add_argument("--max-waiting-share", type=float, default=0.25,
+                   help="share of the engine's waiting queue one API key's requests may hold")
     p.add_argument("--max-pinned-fraction", type=float, default=0.25,
                    help="share of the KV pool persona pins may hold; least recently used are unpinned past it")
     p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
@@ -131,7 +133,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     max_pinned_fraction=args.max_pinned_fraction,
                     metrics_key=args.metrics_key or None, max_streams_per_key=args.max_streams_per_key,
                     max_sessions_per_minute=args.max_sessions_per_minute,
-                    max_sockets_per_key=args.max_sockets_per_key)
+                    max_sockets_per_key=args.max_sockets_per_key, max_waiting_share=args.max_waiting_share)
 
 
 def build_engine(config: EngineConfig, kind: str = "process") -> EngineClient:

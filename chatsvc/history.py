@@ -4,38 +4,80 @@ from __future__ import annotations
 
 from typing import Any
 
+TEMPLATE_TOKENS = 5  # what the chat template adds around one message (<|im_start|>role\n ... <|im_end|>\n)
+CHARS_PER_TOKEN = 3  # a guess for a stored message without its token count
+
+
+def _guessed_tokens(message: dict[str, Any]) -> int:
+    """A message's tokens as the store recorded them (a user message's count, a reply's completion tokens),
+    plus the template's; only a guess to start the search from, never trusted for the result."""
+    tokens = message.get("tokens")
+    if not isinstance(tokens, int) or tokens <= 0:
+        tokens = len(str(message.get("content", ""))) // CHARS_PER_TOKEN
+    return tokens + TEMPLATE_TOKENS
+
 
 def fit_conversation(tokenizer: Any, system_prompt: str, history: list[dict[str, Any]], content: str,
                      max_model_len: int, room: int) -> tuple[list[int], int]:
     """(prompt ids, turns dropped): the conversation with as few of its oldest turns dropped as leaves
     ``room`` tokens to generate. When even the system prompt and the new message alone leave no room, that
-    prompt is returned (the caller's context check reports it)."""
+    prompt is returned (the caller's context check reports it).
+
+    A long history is never tokenized whole: the search starts from the turn the stored token counts
+    point to, and only prompts near the context's size are tokenized (a few of them), so the work is
+    bounded by the context, not by the history's length."""
     system = [{"role": "system", "content": system_prompt}]
     user = [{"role": "user", "content": content}]
     turns = [{"role": m["role"], "content": m["content"]} for m in history]
     # Where each turn (a user message and the replies after it) starts: history is dropped turn by turn.
     starts = [0] + [i for i, m in enumerate(turns) if m["role"] == "user" and i > 0] + [len(turns)]
+    last = len(starts) - 1  # every turn dropped
+    prompts: dict[int, list[int]] = {}
 
     def ids(dropped: int) -> list[int]:
-        return list(tokenizer.apply_chat_template(system + turns[starts[dropped]:] + user,
-                                                  add_generation_prompt=True))
+        if dropped not in prompts:
+            prompts[dropped] = list(tokenizer.apply_chat_template(system + turns[starts[dropped]:] + user,
+                                                                  add_generation_prompt=True))
+        return prompts[dropped]
 
-    def fits(prompt: list[int]) -> bool:
-        return len(prompt) + room <= max_model_len
+    def fits(dropped: int) -> bool:
+        return len(ids(dropped)) + room <= max_model_len
 
-    full = ids(0)
-    if fits(full) or not turns:
-        return full, 0
-    # Fewer turns is a shorter prompt, so the fewest to drop is found by bisection (log T tokenizations).
-    lo, hi = 1, len(starts) - 1
-    best = ids(hi)
-    if not fits(best):
-        return best, hi
+    guesses = [_guessed_tokens(m) for m in history]
+    # Usually the whole history fits: one tokenization, when it is not so long that trying costs much.
+    if not turns or (sum(guesses) <= 2 * max_model_len and fits(0)):
+        return ids(0), 0
+    if not fits(last):  # more turns only make it longer
+        return ids(last), last
+    # The fewest turns to drop by the stored counts: the kept turns' guessed tokens fit what is left.
+    budget = max_model_len - room - len(ids(last))
+    guess, kept = last, 0
+    while guess > 0:
+        kept += sum(guesses[starts[guess - 1]:starts[guess]])
+        if kept > budget:
+            break
+        guess -= 1
+    # The exact answer: the fewest dropped that fits (fitting is monotone in the turns dropped). Invariant:
+    # fits(hi), and nothing below lo fits. Gallop from the guess, then bisect.
+    lo, hi = (1 if 0 in prompts else 0), last
+    if fits(guess):
+        hi, step = guess, 1
+        while hi - step >= lo:
+            if not fits(hi - step):
+                lo = hi - step + 1
+                break
+            hi, step = hi - step, step * 2
+    else:
+        lo, step = guess + 1, 1
+        while lo + step - 1 < hi:
+            if fits(lo + step - 1):
+                hi = lo + step - 1
+                break
+            lo, step = lo + step, step * 2
     while lo < hi:
         mid = (lo + hi) // 2
-        prompt = ids(mid)
-        if fits(prompt):
-            hi, best = mid, prompt
+        if fits(mid):
+            hi = mid
         else:
             lo = mid + 1
-    return best, hi
+    return ids(hi), hi

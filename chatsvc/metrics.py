@@ -45,6 +45,10 @@ class EngineCollector(Collector):
                                   value=float(s.get("prefix_cache_queried_tokens", 0)))
         yield CounterMetricFamily("chatsvc_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=float(s.get("prefix_cache_hit_tokens", 0)))
+        yield CounterMetricFamily("chatsvc_stream_deltas_coalesced", "Deltas merged into an earlier one for a slow reader",
+                                  value=float(s.get("stream_deltas_coalesced", 0)))
+        yield CounterMetricFamily("chatsvc_streams_overflowed", "Requests aborted because their reader fell too far behind",
+                                  value=float(s.get("streams_overflowed", 0)))
         pre = CounterMetricFamily("chatsvc_preemptions", "Preempted sequence groups", labels=["mode"])
         pre.add_metric(["swap"], float(s.get("preemptions_swap", 0)))
         pre.add_metric(["recompute"], float(s.get("preemptions_recompute", 0)))
@@ -67,6 +71,8 @@ class Metrics:
         # Label children resolved once: streams open and close often.
         self.open_sse = self.open_streams.labels("sse")
         self.open_ws = self.open_streams.labels("ws")
+        self.quota_refused = Counter("chatsvc_quota_refused", "Requests refused by a per-key quota", ["quota"],
+                                     registry=r)
         self.finished_by_reason = {reason: self.finished.labels(reason) for reason in ("stop", "length", "abort",
                                                                                       "error")}
 

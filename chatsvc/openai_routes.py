@@ -22,6 +22,7 @@ from chatsvc.generation import Generation
 from chatsvc.offload import Raw, TokenTexts, dumps_in_pieces
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
+from engine.client import StreamOverflowError
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -73,10 +74,11 @@ class _Tokens:
 
 
 async def _start(gw: Gateway, gen: Generation, owner: str) -> None:
-    """Admit the generation under the caller's concurrency quota (429 past it)."""
+    """Admit the generation under the caller's concurrency and waiting-queue quotas (429 past them)."""
     gw.quotas.start_stream(owner, gw.session_turns(owner))
     try:
-        await gen.start()
+        with gw.quotas.admitting(owner):
+            await gen.start()
     except BaseException:
         gw.quotas.end_stream(owner)
         raise
@@ -337,6 +339,10 @@ async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionReques
         await gen.close()
 
 
+def _error_code(exc: Exception) -> str:
+    return StreamOverflowError.code if isinstance(exc, StreamOverflowError) else "engine_failed"
+
+
 async def _ending_with_error(events: AsyncIterator[dict[str, str] | bytes]) -> AsyncIterator[dict[str, str] | bytes]:
     """``events``, except that a request failing after the response began (its engine process died, a
     step failed it) ends with an OpenAI-shaped error event and ``[DONE]`` rather than a cut connection
@@ -346,7 +352,7 @@ async def _ending_with_error(events: AsyncIterator[dict[str, str] | bytes]) -> A
             yield event
     except Exception as exc:  # noqa: BLE001 - whatever it was, the client is told the stream failed
         yield {"data": json.dumps({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error",
-                                             "param": None, "code": "engine_failed"}})}
+                                             "param": None, "code": _error_code(exc)}})}
         yield {"data": "[DONE]"}
     finally:
         if hasattr(events, "aclose"):  # a client that left: the inner stream's cleanup runs now, not at GC

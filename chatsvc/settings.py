@@ -64,6 +64,11 @@ class Settings:
     ws_idle_timeout_s: float = 600.0
     ws_frames_per_second: float = 20.0
     max_readers_per_reply: int = 8
+    # Requests of one key admitted and still waiting for their first token, as a share of the engine's
+    # waiting queue (--max-waiting): one key cannot fill the queue and lock every other key out.
+    max_waiting_share: float = 0.25
+    # Lifetime (and longest a client may ask for) of the access tokens POST /v1/auth/token issues.
+    access_token_ttl_s: int = 900
     # An SSE send that does not complete in this long (a reader whose TCP window stays full) ends the
     # stream: its generation is aborted, or its session turn loses a reader (grace/abort rules).
     sse_send_timeout_s: float = 30.0

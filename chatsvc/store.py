@@ -1,24 +1,31 @@
 """Redis store: personas, sessions with their messages, per-reply event streams and the turn lock.
 
-Keys (prefix ``chatsvc:``):
-- ``personas``                 hash name -> JSON {system_prompt, description}
-- ``personas:seeded``          set once the default personas were written (so deletions stick)
+Keys (prefix ``chatsvc:``; ``{id}`` is written with its braces, a Redis Cluster hash tag):
+- ``personas``                 hash name -> JSON {system_prompt, description}; the field ``:seeded`` (never
+                               a persona name) is set once the defaults were written (so deletions stick)
 - ``session:{id}``             hash: id, owner, persona, system_prompt, title, created, updated, turns,
                                replied (the last turn whose reply is stored: ``turns - 1`` while one runs)
 - ``session:{id}:messages``    list of JSON messages
 - ``session:{id}:lock``        held while a reply is generated: the 409 guard. Its value is the owner
                                token ``instance|nonce|turn``; it has a short TTL its owner refreshes
-- ``owner:{owner}:sessions``   sorted set of session ids by creation time
-- ``stream:{id}:{turn}``       Redis Stream of one reply's events, short TTL
-- ``instance:{name}``          the nonce of the live gateway process called ``name``, short TTL (heartbeat)
-- ``instance:{name}:locks``    session ids whose lock that instance took (found again without SCAN)
+- ``owner:<owner>:sessions``   sorted set of session ids by creation time
+- ``stream:{id}:<turn>``       Redis Stream of one reply's events, short TTL
+- ``instance:<name>``          the nonce of the live gateway process called ``name``, short TTL (heartbeat)
+- ``instance:<name>:locks``    session ids whose lock that instance took (found again without SCAN)
 - ``instances``                names of instances that may hold locks
 
-A lock is dead when ``instance:{name}`` no longer holds its nonce: the process stopped heartbeating, or a
+A lock is dead when ``instance:<name>`` no longer holds its nonce: the process stopped heartbeating, or a
 process with the same name (same host and port) started since. A dead lock's turn is recovered: the reply
 so far is read back from its stream and stored with ``finish_reason: "interrupted"``. Every update of
-more than one key is one Lua script, so no reader sees half of it and no check-then-write can race.
-The scripts build some keys from the prefix (stream and instance keys): one Redis, not a cluster.
+more than one of a session's keys is one Lua script, so no reader sees half of it and no check-then-write
+can race.
+
+Redis Cluster: every key a script touches is one session's (all tagged ``{id}``, so in one hash slot) or
+the personas hash alone. What a script cannot see there is read or written beside it: the lock holder's
+liveness is read first and the script refuses to act if the lock changed meanwhile; the instance's lock
+index is added to before a turn begins and pruned after it ends (a stale entry is harmless: recovery
+finds nothing to do); the owner index is updated after. Ids issued before the hash tag (24 characters;
+new ones have 28) keep their untagged keys, so existing sessions need no migration.
 """
 
 from __future__ import annotations
@@ -32,11 +39,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 P = "chatsvc:"
+LEGACY_ID_LEN = 24  # secrets.token_urlsafe(18): the ids of sessions stored before keys were hash-tagged
 LOCK_TTL_S = 30  # a lock its owner stopped refreshing frees itself this soon
 INSTANCE_TTL_S = 10  # an instance that stopped heartbeating counts as dead this soon
+LOCK_READ_TRIES = 5  # a lock that changes between reading it and acting on it is read again this often
 
 # KEYS: one stream key per event; ARGV: the events' JSON, then the TTL. An XADD that fails comes back
 # as "!<error>" in its place (stream ids never start with "!"), so the others still stand.
@@ -54,16 +64,17 @@ return out
 """
 
 # Shared by the turn scripts. KEYS[1..3]: session hash, its messages, its lock.
-# ARGV[1]: key prefix, ARGV[2]: session id, ARGV[3]: now, ARGV[4]: session TTL, ARGV[5]: stream TTL,
-# ARGV[6]: the calling instance's token prefix (instance|nonce): it is alive, heartbeat or not.
+# ARGV[1]: the session's stream key prefix (the turn number follows), ARGV[2]: now, ARGV[3]: session TTL,
+# ARGV[4]: stream TTL, ARGV[5]: the lock as the caller last read it ('' for none), ARGV[6]: '1' if that
+# lock's holder was alive then (the caller read the holder's heartbeat key: another slot in a cluster).
 _TURN_LUA_LIB = """
-local P, SID, NOW, SESSION_TTL, STREAM_TTL, ME = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local STREAM, NOW, SESSION_TTL, STREAM_TTL, SEEN, SEEN_ALIVE = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 
-local function owner_alive(lock)
-  local name, nonce = string.match(lock, '^(.*)|([^|]*)|%d+$')
-  if not name then return false, nil end
-  if name .. '|' .. nonce == ME then return true, name end
-  return redis.call('GET', P .. 'instance:' .. name) == nonce, name
+-- The lock now, and whether its holder is alive; nil when it is not the lock the caller judged (retry).
+local function lock_state()
+  local lock = redis.call('GET', KEYS[3])
+  if (lock or '') ~= SEEN then return nil end
+  return lock, lock ~= false and SEEN_ALIVE == '1'
 end
 
 local function replied_of(turns)
@@ -72,11 +83,9 @@ local function replied_of(turns)
   return turns  -- a session written before replies were tracked: nothing pending
 end
 
--- Compare-and-delete of our lock, and the session out of our instance's lock index.
+-- Compare-and-delete of our lock (the caller takes it out of our instance's lock index).
 local function release(token)
   if redis.call('GET', KEYS[3]) == token then redis.call('DEL', KEYS[3]) end
-  local name = string.match(token, '^(.*)|[^|]*|%d+$')
-  redis.call('SREM', P .. 'instance:' .. name .. ':locks', SID)
 end
 
 local function touch()
@@ -88,7 +97,7 @@ end
 local function recover_pending()
   local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
   if replied_of(turns) >= turns then return 0 end
-  local skey = P .. 'stream:' .. SID .. ':' .. turns
+  local skey = STREAM .. turns
   local parts, tokens = {}, 0
   for _, entry in ipairs(redis.call('XRANGE', skey, '-', '+')) do
     local ok, ev = pcall(cjson.decode, entry[2][2])
@@ -113,25 +122,21 @@ local function recover_pending()
 end
 """
 
-# ARGV[7]: user message JSON, [8]: title if untitled, [9]: lock TTL ms, [10]: owner index key ('' = none). Returns the new turn, 0 (busy) or -1 (no session).
+# ARGV[7]: user message JSON, [8]: title if untitled, [9]: lock TTL ms, [10]: our token prefix
+# (instance|nonce). Returns the new turn, 0 (busy), -1 (no session) or -2 (the lock changed: read it again).
 _BEGIN_TURN_LUA = _TURN_LUA_LIB + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local lock = redis.call('GET', KEYS[3])
-if lock then
-  local alive = owner_alive(lock)
-  if alive then return 0 end
-end
+local lock, alive = lock_state()
+if lock == nil then return -2 end
+if alive then return 0 end
 recover_pending()
 local turn = redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HSET', KEYS[1], 'replied', turn - 1, 'updated', NOW)
 redis.call('RPUSH', KEYS[2], ARGV[7])
 local title = redis.call('HGET', KEYS[1], 'title')
 if not title or title == '' then redis.call('HSET', KEYS[1], 'title', ARGV[8]) end
-local name = string.match(ME, '^(.*)|[^|]*$')
-redis.call('SET', KEYS[3], ME .. '|' .. turn, 'PX', ARGV[9])
-redis.call('SADD', P .. 'instance:' .. name .. ':locks', SID)
+redis.call('SET', KEYS[3], ARGV[10] .. '|' .. turn, 'PX', ARGV[9])
 touch()
-if ARGV[10] ~= '' then redis.call('EXPIRE', ARGV[10], SESSION_TTL) end
 return turn
 """
 
@@ -185,47 +190,44 @@ end
 return 0
 """
 
-# KEYS[4]: the locks set being swept; ARGV[7]: its instance name. Recovers the session's pending turn
-# unless a live instance holds its lock. 1: recovered (or nothing left to do), 0: alive.
+# Recovers the session's pending turn unless a live instance holds its lock. 1: recovered (or nothing
+# left to do), 0: alive, -1: the lock changed since the caller read it.
 _RECOVER_LUA = _TURN_LUA_LIB + """
-local lock = redis.call('GET', KEYS[3])
-if lock then
-  local alive, name = owner_alive(lock)
-  if alive then
-    if name ~= ARGV[7] then redis.call('SREM', KEYS[4], SID) end
-    return 0
-  end
-end
+local lock, alive = lock_state()
+if lock == nil then return -1 end
+if alive then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 1 then recover_pending() end
 if lock then redis.call('DEL', KEYS[3]) end
-redis.call('SREM', KEYS[4], SID)
 return 1
 """
 
-# KEYS: session, messages, lock, owner index; ARGV: owner, prefix, session id. The reply streams are
-# named by turn number, so they are deleted without scanning the keyspace.
+# KEYS: session, messages, lock; ARGV: owner, the session's stream key prefix. The reply streams are
+# named by turn number (and share the session's hash tag), so they are deleted without scanning.
 _DELETE_SESSION_LUA = """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
-for t = 1, turns do redis.call('DEL', ARGV[2] .. 'stream:' .. ARGV[3] .. ':' .. t) end
+for t = 1, turns do redis.call('DEL', ARGV[2] .. t) end
 redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-redis.call('ZREM', KEYS[4], ARGV[3])
 return 1
 """
 
-# KEYS: seeded flag, personas hash; ARGV: name, JSON, name, JSON...
+SEEDED_FIELD = ":seeded"  # in the personas hash; ':' is not allowed in a persona's name
+# KEYS: personas hash; ARGV: '1' if an older server seeded them (its own flag key), then name, JSON, ...
 _SEED_PERSONAS_LUA = """
-if not redis.call('SET', KEYS[1], '1', 'NX') then return 0 end
-for i = 1, #ARGV, 2 do redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) end
+if redis.call('HSETNX', KEYS[1], ARGV[1], '1') == 0 or ARGV[2] == '1' then return 0 end
+for i = 3, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
-# KEYS: session, messages, lock; ARGV as for every turn script. 1 when a live instance holds the lock.
-_IS_BUSY_LUA = _TURN_LUA_LIB + """
-local lock = redis.call('GET', KEYS[3])
-if lock and owner_alive(lock) then return 1 end
-return 0
-"""
+
+def id_tag(sid: str) -> str:
+    """A session id as its keys hold it: a hash tag, so a Redis Cluster keeps them in one slot."""
+    return sid if len(sid) == LEGACY_ID_LEN else "{" + sid + "}"
+
+
+def session_key(sid: str) -> str:
+    """The session's hash; its messages and lock are this key with ``:messages`` and ``:lock``."""
+    return f"{P}session:{id_tag(sid)}"
 
 
 @dataclass
@@ -287,15 +289,18 @@ class Store:
 
     # -- personas ---------------------------------------------------------------------------------
     async def seed_personas(self, defaults: dict[str, dict[str, str]]) -> None:
-        args = [v for name, body in defaults.items() for v in (name, json.dumps(body))]
-        await self._script(_SEED_PERSONAS_LUA)(keys=[P + "personas:seeded", P + "personas"], args=args)
+        # Servers before the flag moved into the hash kept it in a key of its own (another cluster slot);
+        # it only ever goes from absent to present, so reading it first cannot race.
+        legacy = "1" if await self.r.exists(P + "personas:seeded") else "0"
+        args = [SEEDED_FIELD, legacy, *(v for name, body in defaults.items() for v in (name, json.dumps(body)))]
+        await self._script(_SEED_PERSONAS_LUA)(keys=[P + "personas"], args=args)
 
     async def list_personas(self) -> dict[str, dict[str, str]]:
         raw = await self.r.hgetall(P + "personas")
-        return {name: json.loads(v) for name, v in sorted(raw.items())}
+        return {name: json.loads(v) for name, v in sorted(raw.items()) if name != SEEDED_FIELD}
 
     async def get_persona(self, name: str) -> dict[str, str] | None:
-        raw = await self.r.hget(P + "personas", name)
+        raw = None if name == SEEDED_FIELD else await self.r.hget(P + "personas", name)
         return json.loads(raw) if raw else None
 
     async def put_persona(self, name: str, body: dict[str, str]) -> bool:
@@ -307,17 +312,40 @@ class Store:
 
     # -- sessions ---------------------------------------------------------------------------------
     def _skey(self, sid: str) -> str:
-        return f"{P}session:{sid}"
+        return session_key(sid)
+
+    def messages_key(self, sid: str) -> str:
+        return session_key(sid) + ":messages"
+
+    def lock_key(self, sid: str) -> str:
+        return session_key(sid) + ":lock"
 
     def _turn_keys(self, sid: str) -> list[str]:
-        return [self._skey(sid), self._skey(sid) + ":messages", self._skey(sid) + ":lock"]
+        return [self._skey(sid), self.messages_key(sid), self.lock_key(sid)]
 
-    def _turn_args(self, sid: str, *extra: object) -> list[object]:
-        return [P, sid, time.time(), self.session_ttl_s, self.stream_ttl_s, self._me, *extra]
+    def _turn_args(self, sid: str, lock: str = "", alive: bool = False, *extra: object) -> list[object]:
+        return [self.stream_prefix(sid), time.time(), self.session_ttl_s, self.stream_ttl_s, lock,
+                "1" if alive else "0", *extra]
+
+    async def _lock_view(self, sid: str) -> tuple[str, bool, str | None]:
+        """(the session's lock, '' for none; whether its holder is alive; the holder's instance name)."""
+        lock = await self.r.get(self.lock_key(sid))
+        if lock is None:
+            return "", False, None
+        name, sep, rest = lock.partition("|")
+        nonce, sep2, turn = rest.partition("|")
+        if not (sep and sep2 and turn.isdigit()):
+            return lock, False, None
+        if f"{name}|{nonce}" == self._me:
+            return lock, True, name
+        return lock, await self.r.get(f"{P}instance:{name}") == nonce, name
+
+    def _locks_key(self, name: str | None = None) -> str:
+        return f"{P}instance:{name or self.instance}:locks"
 
     async def create_session(self, owner: str, persona: str, system_prompt: str, title: str = "") -> SessionMeta:
         now = time.time()
-        meta = SessionMeta(secrets.token_urlsafe(18), owner, persona, system_prompt, title, now, now, 0)
+        meta = SessionMeta(secrets.token_urlsafe(21), owner, persona, system_prompt, title, now, now, 0)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(self._skey(meta.id), mapping={
                 "id": meta.id, "owner": owner, "persona": persona, "system_prompt": system_prompt,
@@ -358,11 +386,13 @@ class Store:
         return out
 
     async def delete_session(self, sid: str, owner: str) -> bool:
-        keys = [*self._turn_keys(sid), f"{P}owner:{owner}:sessions"]
-        return bool(await self._script(_DELETE_SESSION_LUA)(keys=keys, args=[owner, P, sid]))
+        if not await self._script(_DELETE_SESSION_LUA)(keys=self._turn_keys(sid), args=[owner, self.stream_prefix(sid)]):
+            return False
+        await self.r.zrem(f"{P}owner:{owner}:sessions", sid)
+        return True
 
     async def messages(self, sid: str) -> list[dict[str, Any]]:
-        return [json.loads(m) for m in await self.r.lrange(self._skey(sid) + ":messages", 0, -1)]
+        return [json.loads(m) for m in await self.r.lrange(self.messages_key(sid), 0, -1)]
 
     def lock_token(self, turn: int) -> str:
         return f"{self.instance}|{self.nonce}|{turn}"
@@ -374,35 +404,50 @@ class Store:
         """
         # An untitled session is named after its first message, for the session list.
         title = " ".join(str(user_message.get("content", "")).split())[:60]
-        owner_key = f"{P}owner:{owner}:sessions" if owner is not None else ""
-        res = int(await self._script(_BEGIN_TURN_LUA)(
-            keys=self._turn_keys(sid),
-            args=self._turn_args(sid, json.dumps(user_message), title,
-                                 LOCK_TTL_S * 1000, owner_key)))
-        if res < 0:
+        # Indexed before the lock exists, so a crash never leaves a lock its instance's index misses.
+        added = await self.r.sadd(self._locks_key(), sid)  # 0: a turn of ours holds it (the script says busy)
+        res = -2
+        for _ in range(LOCK_READ_TRIES):
+            lock, alive, _name = await self._lock_view(sid)
+            res = int(await self._script(_BEGIN_TURN_LUA)(
+                keys=self._turn_keys(sid),
+                args=self._turn_args(sid, lock, alive, json.dumps(user_message), title, LOCK_TTL_S * 1000,
+                                     self._me)))
+            if res != -2:
+                break
+        if res <= 0 and added:
+            await self.r.srem(self._locks_key(), sid)
+        if res == -1:
             raise SessionGone(sid)
-        return res or None
+        if res > 0 and owner is not None:
+            await self.r.expire(f"{P}owner:{owner}:sessions", self.session_ttl_s)
+        return res if res > 0 else None
 
     async def rollback_turn(self, sid: str, turn: int) -> bool:
         """Undo begin_turn when generation could not even start (queue full, invalid request)."""
-        return bool(await self._script(_ROLLBACK_TURN_LUA)(
-            keys=self._turn_keys(sid), args=self._turn_args(sid, self.lock_token(turn), turn)))
+        out = bool(await self._script(_ROLLBACK_TURN_LUA)(
+            keys=self._turn_keys(sid), args=self._turn_args(sid, "", False, self.lock_token(turn), turn)))
+        await self.r.srem(self._locks_key(), sid)
+        return out
 
     async def end_turn(self, sid: str, turn: int, assistant_message: dict[str, Any]) -> int:
         """Store the reply of ``turn`` and release its lock. Idempotent, so it may be retried after a
         lost answer: 1 stored now, 0 stored before (or recovered meanwhile), -1 the session is gone."""
-        return int(await self._script(_END_TURN_LUA)(
+        out = int(await self._script(_END_TURN_LUA)(
             keys=self._turn_keys(sid),
-            args=self._turn_args(sid, self.lock_token(turn), turn, json.dumps(assistant_message))))
+            args=self._turn_args(sid, "", False, self.lock_token(turn), turn, json.dumps(assistant_message))))
+        await self.r.srem(self._locks_key(), sid)
+        return out
 
     async def refresh_lock(self, sid: str, turn: int) -> bool:
         """Extend (or take back) the lock of our running ``turn``; False if it was lost."""
         return bool(await self._script(_REFRESH_LOCK_LUA)(
-            keys=self._turn_keys(sid), args=self._turn_args(sid, self.lock_token(turn), turn, LOCK_TTL_S * 1000)))
+            keys=self._turn_keys(sid),
+            args=self._turn_args(sid, "", False, self.lock_token(turn), turn, LOCK_TTL_S * 1000)))
 
     async def is_busy(self, sid: str) -> bool:
         """A live instance is generating a reply for the session."""
-        return bool(await self._script(_IS_BUSY_LUA)(keys=self._turn_keys(sid), args=self._turn_args(sid)))
+        return (await self._lock_view(sid))[1]
 
     # -- instances --------------------------------------------------------------------------------
     async def heartbeat(self) -> None:
@@ -427,20 +472,27 @@ class Store:
         in ``skip`` (this process's running turns) are left alone. Returns the recovered session ids."""
         recovered: list[str] = []
         for name in await self.r.smembers(P + "instances"):
-            locks = f"{P}instance:{name}:locks"
+            locks = self._locks_key(name)
             for sid in await self.r.smembers(locks):
                 if name == self.instance and sid in skip:
                     continue
-                if await self._script(_RECOVER_LUA)(keys=[*self._turn_keys(sid), locks],
-                                                    args=self._turn_args(sid, name)):
+                lock, alive, holder = await self._lock_view(sid)
+                res = int(await self._script(_RECOVER_LUA)(keys=self._turn_keys(sid),
+                                                           args=self._turn_args(sid, lock, alive)))
+                if res == 1:
                     recovered.append(sid)
+                if res == 1 or (res == 0 and holder != name):  # -1: the lock moved; the next sweep looks again
+                    await self.r.srem(locks, sid)
             if name != self.instance and not await self.r.exists(f"{P}instance:{name}", locks):
                 await self.r.srem(P + "instances", name)
         return recovered
 
     # -- reply streams ----------------------------------------------------------------------------
+    def stream_prefix(self, sid: str) -> str:
+        return f"{P}stream:{id_tag(sid)}:"
+
     def stream_key(self, sid: str, turn: int) -> str:
-        return f"{P}stream:{sid}:{turn}"
+        return f"{self.stream_prefix(sid)}{turn}"
 
     async def append_event(self, sid: str, turn: int, event: dict[str, Any]) -> str:
         key = self.stream_key(sid, turn)
@@ -455,11 +507,28 @@ class Store:
         reply to parse instead of several per event). Returns each one's stream id, or the error Redis
         answered for that XADD alone; a lost connection raises.
 
-        Each stream's TTL is refreshed once per batch, after its events.
+        Each stream's TTL is refreshed once per batch, after its events. A script touches the streams of
+        one hash slot only (so a Redis Cluster can run it): a batch of several sessions is one script call
+        per slot, all sent in one pipeline (one round trip, as one call was).
         """
-        res = await self._script(_APPEND_EVENTS_LUA)(keys=[key for key, _ in items],
-                                        args=[*(data for _, data in items), self.stream_ttl_s])
-        return [ResponseError(eid[1:]) if eid.startswith("!") else eid for eid in res]
+        script = self._script(_APPEND_EVENTS_LUA)
+        groups: dict[int, list[int]] = {}
+        for i, (key, _) in enumerate(items):
+            groups.setdefault(key_slot(key.encode()), []).append(i)
+        calls = [([items[i][0] for i in idxs], [*(items[i][1] for i in idxs), self.stream_ttl_s])
+                 for idxs in groups.values()]
+        if len(calls) == 1:
+            replies = [await script(keys=calls[0][0], args=calls[0][1])]
+        else:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    await script(keys=keys, args=args, client=pipe)
+                replies = await pipe.execute()
+        out: list[str | Exception] = [""] * len(items)
+        for idxs, res in zip(groups.values(), replies, strict=True):
+            for i, eid in zip(idxs, res, strict=True):
+                out[i] = ResponseError(eid[1:]) if eid.startswith("!") else eid
+        return out
 
     async def read_events(self, sid: str, turn: int, after: str, block_ms: int) -> list[tuple[str, dict[str, Any]]]:
         """Events after stream id ``after`` ("0" = from the start), waiting up to ``block_ms`` for new ones."""

@@ -40,6 +40,7 @@ from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.history import fit_conversation
 from chatsvc.metrics import Metrics
+from chatsvc.offload import Offload
 from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
@@ -105,8 +106,11 @@ class ActiveTurn:
 
 
 class TurnRegistry:
-    def __init__(self, engine: EngineClient, store: Store, metrics: Metrics, settings: Settings) -> None:
+    def __init__(self, engine: EngineClient, store: Store, metrics: Metrics, settings: Settings,
+                 offload: Offload | None = None) -> None:
         self.engine = engine
+        # Where a turn's prompt is tokenized (its worker threads hold tokenizer copies); else a default thread.
+        self.offload = offload
         self.store = store
         self.metrics = metrics
         self.settings = settings
@@ -160,12 +164,18 @@ class TurnRegistry:
         tok = self.engine.tokenizer
         max_len = self.engine.max_model_len
         room = sampling.max_tokens or min(self.settings.default_session_max_tokens, max_len // 4)
-        prompt_ids, truncated = fit_conversation(tok, meta.system_prompt, history, content, max_len, room)
+
+        def tokenize() -> tuple[list[int], int, int]:
+            ids, dropped = fit_conversation(tok, meta.system_prompt, history, content, max_len, room)
+            return ids, dropped, len(tok.encode(content))
+
+        # A long history and message take the tokenizer a while (it releases the GIL): not on the loop.
+        prompt_ids, truncated, content_tokens = await (
+            self.offload.run(tokenize) if self.offload is not None else asyncio.to_thread(tokenize))
         max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
                                         self.settings.default_session_max_tokens)
         params = sampling.sampling_params(max_tokens)
-        user_msg = {"role": "user", "content": content, "created": time.time(),
-                    "tokens": len(tok.encode(content))}
+        user_msg = {"role": "user", "content": content, "created": time.time(), "tokens": content_tokens}
         try:
             turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
         except SessionGone as exc:

@@ -18,7 +18,14 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.client import EngineClient, EngineDeadError, relay_deltas
+from engine.client import (
+    DeltaQueue,
+    EngineClient,
+    EngineDeadError,
+    StreamCounters,
+    StreamLimits,
+    relay_deltas,
+)
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestDelta
 from engine.request import SamplingParams, SequenceGroup
@@ -30,14 +37,16 @@ __all__ = ["AsyncEngine", "RequestDelta", "QueueFullError", "EngineDeadError"]
 
 
 class AsyncEngine(EngineClient):
-    def __init__(self, llm_engine: LLMEngine) -> None:
+    def __init__(self, llm_engine: LLMEngine, stream_limits: StreamLimits | None = None) -> None:
         self.engine = llm_engine
+        self.stream_limits = stream_limits or StreamLimits()
+        self.stream_counters = StreamCounters()
         self.tokenizer = llm_engine.tokenizer
         self.model_name = llm_engine.model_name
         self.max_model_len = llm_engine.max_model_len
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any] | None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
-        self._streams: dict[str, tuple[asyncio.Queue[RequestDelta | BaseException], int]] = {}
+        self._streams: dict[str, DeltaQueue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -49,14 +58,16 @@ class AsyncEngine(EngineClient):
         self._heartbeat = time.monotonic()  # the last step, or idle tick, of the engine thread
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, fault_request_prefix: str | None = None) -> AsyncEngine:
-        return cls(LLMEngine(config, fault_request_prefix=fault_request_prefix))
+    def from_config(cls, config: EngineConfig, *, fault_request_prefix: str | None = None,
+                    stream_limits: StreamLimits | None = None) -> AsyncEngine:
+        return cls(LLMEngine(config, fault_request_prefix=fault_request_prefix), stream_limits)
 
     @classmethod
     def from_args(cls, model: str | None = None, *, fault_request_prefix: str | None = None,
-                  **settings: Any) -> AsyncEngine:
+                  stream_limits: StreamLimits | None = None, **settings: Any) -> AsyncEngine:
         """Keyword form: the settings are ``EngineConfig``'s fields."""
-        return cls.from_config(EngineConfig(model=model, **settings), fault_request_prefix=fault_request_prefix)
+        return cls.from_config(EngineConfig(model=model, **settings), fault_request_prefix=fault_request_prefix,
+                               stream_limits=stream_limits)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,10 +144,10 @@ class AsyncEngine(EngineClient):
             self._send(delta.request_id, delta)
 
     def _send(self, request_id: str, item: RequestDelta | BaseException) -> None:
-        entry = self._streams.get(request_id)
-        if entry is None or self._loop is None:
+        stream = self._streams.get(request_id)
+        if stream is None or self._loop is None:
             return
-        self._loop.call_soon_threadsafe(entry[0].put_nowait, item)
+        self._loop.call_soon_threadsafe(stream.put_nowait, item)
 
     def _publish(self, force: bool) -> None:
         self._stats = self.engine.stats()
@@ -170,8 +181,8 @@ class AsyncEngine(EngineClient):
         waiting = self._stats.get("requests_waiting", 0) + self._pending
         if waiting >= self.engine.scheduler_config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.engine.scheduler_config.max_waiting} requests)")
-        stream: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        self._streams[request_id] = (stream, sampling_params.n)
+        stream = DeltaQueue(self.stream_limits, self.stream_counters, lambda: self._abort_soon(request_id))
+        self._streams[request_id] = stream
         self._pending += 1
         self._submit(lambda: self._add(group))
         return self._stream(request_id, stream)
@@ -183,15 +194,16 @@ class AsyncEngine(EngineClient):
         except Exception as exc:  # noqa: BLE001 - e.g. the queue filled up meanwhile
             self._send(group.request_id, exc)
 
-    def _stream(
-        self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException]
-    ) -> AsyncIterator[RequestDelta]:
+    def _stream(self, request_id: str, stream: DeltaQueue) -> AsyncIterator[RequestDelta]:
         def on_exit(finished: bool) -> None:
             self._streams.pop(request_id, None)
             if not finished:
-                self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
+                self._abort_soon(request_id)
 
         return relay_deltas(stream, on_exit)
+
+    def _abort_soon(self, request_id: str) -> None:
+        self._submit(lambda: self._deliver(self.engine.abort_request(request_id)))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason "abort" and its blocks are freed."""
@@ -224,7 +236,10 @@ class AsyncEngine(EngineClient):
     def stats(self) -> dict[str, Any]:
         state = "running" if self.is_running else "stopped"
         return {**self._stats, "engine_state": state,
-                "last_step_age_s": time.monotonic() - self._heartbeat}
+                "last_step_age_s": time.monotonic() - self._heartbeat,
+                "max_waiting": self.engine.scheduler_config.max_waiting,
+                "stream_deltas_coalesced": self.stream_counters.coalesced,
+                "streams_overflowed": self.stream_counters.overflowed}
 
     def kv_snapshot(self) -> dict[str, Any]:
         """The latest block-pool picture; asking keeps the engine thread refreshing it."""

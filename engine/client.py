@@ -8,7 +8,10 @@ This module imports neither torch nor the tokenizer, so gateway modules can name
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.request import SamplingParams
@@ -17,11 +20,143 @@ if TYPE_CHECKING:
     from engine.engine import RequestDelta
     from engine.tokenizer import Tokenizer
 
-__all__ = ["EngineClient", "EngineDeadError", "relay_deltas"]
+__all__ = ["DeltaQueue", "EngineClient", "EngineDeadError", "StreamCounters", "StreamLimits", "StreamOverflowError",
+           "relay_deltas"]
 
 
 class EngineDeadError(RuntimeError):
     """The engine is not running (never started, stopped, or its thread/process died)."""
+
+
+class StreamOverflowError(RuntimeError):
+    """A request's reader fell so far behind that its unread output passed ``StreamLimits.max_buffered``;
+    the request was aborted rather than buffered without bound."""
+
+    code = "stream_overflow"
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    """How much of a request's output may wait for a reader that is slower than the engine.
+
+    Past ``coalesce_after`` queued deltas, a new delta is merged into the last queued one of its sample
+    (text appended, token ids and logprobs extended): nothing is lost, and the queue stops growing in
+    items. What merging cannot bound is the output itself; past ``max_buffered`` unread entries (a token
+    counts one, each logprob alternative one more) the request is aborted and its reader gets
+    ``StreamOverflowError``. The default is the non-streamed logprobs cap of the gateway, so a reader has
+    the same room as a non-streamed reply, and a reply without logprobs of any length fits.
+    """
+
+    coalesce_after: int = 32
+    max_buffered: int = 200_000
+
+
+@dataclass
+class StreamCounters:
+    """Per engine: deltas merged into an earlier one, and requests aborted for an overflowing reader."""
+
+    coalesced: int = 0
+    overflowed: int = 0
+
+
+class _Slot:
+    __slots__ = ("item",)
+
+    def __init__(self, item: RequestDelta | BaseException) -> None:
+        self.item = item
+
+
+def _entries(delta: RequestDelta) -> int:
+    return len(delta.token_ids) + sum(len(d) for d in delta.logprobs or ())
+
+
+def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
+    """``b`` appended to ``a`` (one sample): the cumulative fields (counts, finish) are ``b``'s."""
+    logprobs = None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or ()), *(b.logprobs or ())]
+    return dataclasses.replace(b, text=a.text + b.text, token_ids=[*a.token_ids, *b.token_ids], logprobs=logprobs)
+
+
+class DeltaQueue:
+    """One request's deltas on their way from the engine to its reader, bounded as ``StreamLimits`` says.
+
+    Filled with ``put_nowait`` and drained with ``get`` on the event loop (as an ``asyncio.Queue`` is); an
+    exception put in it is handed to the reader after what is already queued. ``on_overflow`` is called
+    once when the output passes ``max_buffered``: the engine aborts the request there, so its blocks are
+    freed at once, not when the slow reader finally reads the error.
+    """
+
+    def __init__(self, limits: StreamLimits, counters: StreamCounters, on_overflow: Callable[[], None]) -> None:
+        self.limits = limits
+        self.counters = counters
+        self.on_overflow = on_overflow
+        self._slots: collections.deque[_Slot] = collections.deque()
+        self._open: dict[int, _Slot] = {}  # sample index -> its last queued delta, while mergeable
+        self._buffered = 0  # entries queued and not read
+        self._closed = False  # overflowed: everything after is dropped
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def buffered(self) -> int:
+        return self._buffered
+
+    def put_nowait(self, item: RequestDelta | BaseException) -> None:
+        if self._closed:
+            return
+        if isinstance(item, BaseException):
+            self._open.clear()  # nothing after it may be merged ahead of it
+            self._append(_Slot(item))
+            return
+        self._buffered += _entries(item)
+        if self._buffered > self.limits.max_buffered:
+            self._overflow()
+            return
+        open_slot = self._open.get(item.index)
+        # A request's last delta is never merged back: the reader stops at it, and an earlier slot would
+        # put it ahead of other samples' queued deltas.
+        if open_slot is not None and len(self._slots) >= self.limits.coalesce_after and not item.request_finished:
+            assert not isinstance(open_slot.item, BaseException)
+            open_slot.item = _merge(open_slot.item, item)
+            self.counters.coalesced += 1
+        else:
+            slot = _Slot(item)
+            self._append(slot)
+            self._open[item.index] = slot
+        if item.finished or item.request_finished:
+            self._open.pop(item.index, None)
+
+    def _append(self, slot: _Slot) -> None:
+        self._slots.append(slot)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _overflow(self) -> None:
+        self._closed = True
+        self._slots.clear()
+        self._open.clear()
+        self._buffered = 0
+        self.counters.overflowed += 1
+        self._append(_Slot(StreamOverflowError(
+            f"the reader fell more than {self.limits.max_buffered} tokens and logprobs behind the engine; "
+            "the request was aborted (read the stream faster, or ask for fewer logprobs)")))
+        self.on_overflow()
+
+    async def get(self) -> RequestDelta | BaseException:
+        while not self._slots:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        slot = self._slots.popleft()
+        item = slot.item
+        if not isinstance(item, BaseException):
+            self._buffered -= _entries(item)
+            if self._open.get(item.index) is slot:
+                del self._open[item.index]
+        return item
 
 
 class EngineClient(Protocol):
@@ -74,7 +209,7 @@ class EngineClient(Protocol):
 
 
 async def relay_deltas(
-    stream: asyncio.Queue[RequestDelta | BaseException], on_exit: Callable[[bool], None]
+    stream: DeltaQueue, on_exit: Callable[[bool], None]
 ) -> AsyncGenerator[RequestDelta, None]:
     """A request's deltas from its queue until the one that finishes it; an exception put in the queue is
     raised. ``on_exit(finished)`` runs however the iteration ends (an engine aborts an unfinished request

@@ -22,7 +22,8 @@ One duplex pipe joins them; every message is a pickled dataclass defined below.
 
 In the parent, a reader thread blocks on ``recv()`` (which releases the GIL) and hands each
 ``StepOutput`` to the event loop with one ``call_soon_threadsafe``; there the deltas go to the
-per-request asyncio queues. When the child exits for any reason the pipe reads EOF: every open
+per-request ``DeltaQueue``s (bounded: a slow reader's deltas are merged, and past a hard cap its request
+is aborted; see ``engine.client.StreamLimits``). When the child exits for any reason the pipe reads EOF: every open
 stream raises ``EngineDeadError`` and ``is_running`` turns False. The child in turn exits when the
 parent's end of the pipe closes (the parent died) or it is told to shut down.
 
@@ -69,7 +70,14 @@ from typing import Any
 
 import torch
 
-from engine.client import EngineClient, EngineDeadError, relay_deltas
+from engine.client import (
+    DeltaQueue,
+    EngineClient,
+    EngineDeadError,
+    StreamCounters,
+    StreamLimits,
+    relay_deltas,
+)
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestDelta
 from engine.loader import load_tokenizer
@@ -407,7 +415,8 @@ class ProcessEngine(EngineClient):
     """
 
     def __init__(self, config: EngineConfig, *, startup_timeout_s: float = 600.0, max_deaths: int = MAX_DEATHS,
-                 death_window_s: float = DEATH_WINDOW_S, fault_request_prefix: str | None = None) -> None:
+                 death_window_s: float = DEATH_WINDOW_S, fault_request_prefix: str | None = None,
+                 stream_limits: StreamLimits | None = None) -> None:
         # This process only tokenizes and serves; the cores belong to the engine process.
         torch.set_num_threads(1)
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -433,7 +442,9 @@ class ProcessEngine(EngineClient):
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self._limits = RequestLimits(info.max_num_seqs, info.vocab_size, info.max_model_len)
-        self._streams: dict[str, asyncio.Queue[RequestDelta | BaseException]] = {}
+        self.stream_limits = stream_limits or StreamLimits()
+        self.stream_counters = StreamCounters()
+        self._streams: dict[str, DeltaQueue] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._pin_ids = itertools.count()
@@ -450,10 +461,11 @@ class ProcessEngine(EngineClient):
     @classmethod
     def from_args(cls, model: str | None = None, *, startup_timeout_s: float = 600.0, max_deaths: int = MAX_DEATHS,
                   death_window_s: float = DEATH_WINDOW_S, fault_request_prefix: str | None = None,
-                  **settings: Any) -> ProcessEngine:
+                  stream_limits: StreamLimits | None = None, **settings: Any) -> ProcessEngine:
         """Keyword form: the settings are ``EngineConfig``'s fields."""
         return cls(EngineConfig(model=model, **settings), startup_timeout_s=startup_timeout_s,
-                   max_deaths=max_deaths, death_window_s=death_window_s, fault_request_prefix=fault_request_prefix)
+                   max_deaths=max_deaths, death_window_s=death_window_s, fault_request_prefix=fault_request_prefix,
+                   stream_limits=stream_limits)
 
     @property
     def pid(self) -> int:
@@ -689,22 +701,24 @@ class ProcessEngine(EngineClient):
         waiting = self._stats.get("requests_waiting", 0) + self._adds_sent - self._adds_seen
         if waiting >= self.info.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.info.max_waiting} requests)")
-        stream: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        stream = DeltaQueue(self.stream_limits, self.stream_counters, lambda: self._abort_quietly(request_id))
         self._send(Add(request_id, sampling_params, group.prompt_token_ids, prompt, group.arrival_time))
         self._adds_sent += 1
         self._streams[request_id] = stream
         return self._stream(request_id, stream)
 
-    def _stream(
-        self, request_id: str, stream: asyncio.Queue[RequestDelta | BaseException]
-    ) -> AsyncGenerator[RequestDelta, None]:
+    def _stream(self, request_id: str, stream: DeltaQueue) -> AsyncGenerator[RequestDelta, None]:
         def on_exit(finished: bool) -> None:
             self._streams.pop(request_id, None)
-            if not finished and self.is_running:
-                with contextlib.suppress(EngineDeadError):
-                    self._send(Abort(request_id))
+            if not finished:
+                self._abort_quietly(request_id)
 
         return relay_deltas(stream, on_exit)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        if self.is_running:
+            with contextlib.suppress(EngineDeadError):
+                self._send(Abort(request_id))
 
     async def _call(self, make: Callable[[int], Command], internal: bool = False) -> Any:
         """Send a command and await its reply; ``internal`` calls also run while pins are replayed."""
@@ -751,7 +765,10 @@ class ProcessEngine(EngineClient):
         """The child's latest counters, plus the engine's state, restarts and the age of the child's last
         step (its heartbeat: it only grows while the child is stuck, or dead)."""
         return {**self._stats, "engine_state": self._state, "engine_restarts": self.restarts,
-                "last_step_age_s": time.monotonic() - self._heartbeat}
+                "last_step_age_s": time.monotonic() - self._heartbeat,
+                "max_waiting": self.info.max_waiting,
+                "stream_deltas_coalesced": self.stream_counters.coalesced,
+                "streams_overflowed": self.stream_counters.overflowed}
 
     def kv_snapshot(self) -> dict[str, Any]:
         now = time.monotonic()

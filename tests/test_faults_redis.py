@@ -16,6 +16,8 @@ import pytest
 from gateway_fixtures import free_port
 from serve_process import PersistentRedis, Serve, assert_alternating, sse_json
 
+from chatsvc.store import session_key
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300),
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 MAX_TOKENS = 1500  # long enough that the reply is still running when Redis goes away
@@ -75,7 +77,7 @@ def reply_through_outage(srv: Serve, red: PersistentRedis, outage: Callable[[], 
     assert_alternating(msgs)
     assert len(msgs) == 2 and msgs[1] == done["message"]  # stored exactly once, the whole reply
     assert msgs[1]["tokens"] == MAX_TOKENS
-    assert not red.client().exists(f"chatsvc:session:{sid}:lock")
+    assert not red.client().exists(session_key(sid) + ":lock")
     view = httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()
     assert view["busy"] is False
     with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages", json={"content": "more", "max_tokens": 3},

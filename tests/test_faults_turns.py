@@ -19,6 +19,8 @@ from gateway_fixtures import LiveServer, default_model_path, free_port, redis_pr
 from serve_process import PersistentRedis, Serve, assert_alternating, sse_json
 from websockets.sync.client import ClientConnection, connect
 
+from chatsvc.store import session_key
+
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 GRACE_S = 1.5
@@ -82,7 +84,7 @@ def test_kill_9_mid_reply_then_restart_recovers_the_turn(kind: str, tmp_path: Pa
         msgs = httpx.get(f"{base}/v1/sessions/{sid}", timeout=10).json()["messages"]
         assert_alternating(msgs)
         assert len(msgs) == 4 and msgs[3]["finish_reason"] == done["finish_reason"]
-        assert not red.client().exists(f"chatsvc:session:{sid}:lock")
+        assert not red.client().exists(session_key(sid) + ":lock")
     finally:
         first.kill9()
         second.stop()
@@ -225,7 +227,7 @@ def test_the_keepalive_recovers_a_dead_instances_turn_and_refreshes_its_own_lock
                     HEARTBEAT_S + 3)
     msgs = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=5).json()["messages"]
     assert (msgs[1]["content"], msgs[1]["finish_reason"]) == ("part", "interrupted")
-    assert r.get(f"chatsvc:session:{sid}:lock") is None
+    assert r.get(session_key(sid) + ":lock") is None
 
     # This instance's own running turn keeps its lock alive.
     engine.step_s = 0.05
@@ -233,7 +235,7 @@ def test_the_keepalive_recovers_a_dead_instances_turn_and_refreshes_its_own_lock
         ask(ws, {"type": "hello", "session_id": sid})
         ws.send(json.dumps({"type": "message", "content": "long", "max_tokens": 200, "ignore_eos": True}))
         assert recv(ws)["type"] == "delta"
-        lock = f"chatsvc:session:{sid}:lock"
+        lock = session_key(sid) + ":lock"
         r.pexpire(lock, 1500)
         time.sleep(HEARTBEAT_S + 1)
         assert r.pttl(lock) > 10_000

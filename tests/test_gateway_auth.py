@@ -70,3 +70,43 @@ def test_origin(origin: str | None, host: str, ok: bool) -> None:
 def test_host(host: str | None, ok: bool) -> None:
     assert host_allowed(host, LOOPBACK_HOSTS) is ok
     assert host_allowed(host, ("*",))
+
+
+def test_access_tokens_name_their_owner_expire_and_cannot_be_forged() -> None:
+    auth = Auth(("k1", "k2"), admin_keys=("adm",))
+    auth.set_secret(SECRET)
+    owner = auth.check_key("k1")
+    token, expires = auth.issue_token(owner, 60, now=1000.0)
+    assert expires == 1060 and "k1" not in token
+    assert auth.check_token(token, now=1059.0) == owner
+    live, _ = auth.issue_token(owner, 60)
+    assert auth.check_key(live) == owner  # wherever a key is accepted
+    with pytest.raises(APIError) as e:
+        auth.check_key(live, tokens=False)  # where only a key will do
+    assert e.value.status == 401
+    with pytest.raises(APIError) as e:
+        auth.check_token(token, now=1060.0)
+    assert (e.value.status, e.value.code) == (401, "token_expired")
+    prefix, owner_part, expiry, signature = token.split(".")
+    other = auth.check_key("k2")
+    forged = [f"{prefix}.{other}.{expiry}.{signature}",  # another owner
+              f"{prefix}.{owner_part}.{int(expiry) + 3600}.{signature}",  # a later expiry
+              f"{prefix}.{owner_part}.{expiry}.{signature[:-1]}{'0' if signature[-1] != '0' else '1'}",
+              f"{prefix}.{owner_part}.{expiry}", f"{prefix}.{owner_part}.-5.{signature}", "cst1.", "cst1...."]
+    for bad in forged:
+        with pytest.raises(APIError) as e:
+            auth.check_token(bad, now=1000.0)
+        assert (e.value.status, e.value.code) == (401, "invalid_api_key"), bad
+    # Signed under another server secret: refused; admin rights follow the owner.
+    elsewhere = Auth(("k1",))
+    elsewhere.set_secret(b"t" * 32)
+    with pytest.raises(APIError):
+        elsewhere.check_token(token, now=1000.0)
+    admin_token, _ = auth.issue_token(auth.check_key("adm"), 60, now=1000.0)
+    assert auth.is_admin(auth.check_token(admin_token, now=1000.0))
+    # A key removed from the configuration takes its tokens with it.
+    fewer = Auth(("k2",))
+    fewer.set_secret(SECRET)
+    with pytest.raises(APIError) as e:
+        fewer.check_token(token, now=1000.0)
+    assert "no longer accepted" in e.value.message

@@ -19,7 +19,7 @@ from websockets.sync.client import connect
 
 from chatsvc.app import create_app
 from chatsvc.settings import Settings
-from chatsvc.store import Store
+from chatsvc.store import Store, session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 KEY_A, KEY_B = "key-a", "key-b"
@@ -62,10 +62,10 @@ def foreign_sid(server: LiveServer) -> str:
 @pytest.fixture(scope="module")
 def expired_sid(server: LiveServer) -> str:
     sid = str(httpx.post(server.url + "/v1/sessions", json={}, headers=A).json()["id"])
-    server.redis.pexpire(f"chatsvc:session:{sid}", 1)  # type: ignore[attr-defined]
+    server.redis.pexpire(session_key(sid), 1)  # type: ignore[attr-defined]
     time.sleep(0.01)
     # Reading an expired key deletes it, so the key count is settled before the table measures it.
-    assert not server.redis.exists(f"chatsvc:session:{sid}")  # type: ignore[attr-defined]
+    assert not server.redis.exists(session_key(sid))  # type: ignore[attr-defined]
     return sid
 
 

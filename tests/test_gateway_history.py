@@ -56,3 +56,59 @@ def test_when_nothing_but_the_new_message_fits_every_turn_is_dropped() -> None:
     assert prompt == tok.apply_chat_template([{"role": "system", "content": "sys"},
                                               {"role": "user", "content": "a long new message " * 20}],
                                              add_generation_prompt=True)
+
+
+def fewest_dropped(tok: WordTokenizer, system: str, history: list[dict[str, Any]], content: str, max_model_len: int,
+                   room: int) -> int:
+    """The reference: try every number of oldest turns dropped, fewest first."""
+    n = len(history) // 2
+    for k in range(n + 1):
+        msgs = [{"role": "system", "content": system}, *history[2 * k:], {"role": "user", "content": content}]
+        if len(tok.apply_chat_template(msgs, add_generation_prompt=True)) + room <= max_model_len:
+            return k
+    return n
+
+
+def test_stored_counts_only_guide_the_search_the_answer_is_exact() -> None:
+    import random
+
+    rng = random.Random(7)
+    for case in range(300):
+        history = []
+        for i in range(rng.randrange(1, 30)):
+            for role in ("user", "assistant"):
+                words = rng.randrange(1, 40)
+                msg: dict[str, Any] = {"role": role, "content": " ".join([f"{role[0]}{i}"] * words)}
+                # Stored counts that are right, missing, or wrong either way (a recovered or edited message).
+                kind = rng.randrange(4)
+                if kind:
+                    msg["tokens"] = [0, words, words * 3, max(1, words // 4)][kind]
+                history.append(msg)
+        max_len, room = rng.randrange(20, 600), rng.randrange(0, 30)
+        tok = WordTokenizer()
+        prompt, dropped = fit_conversation(tok, "sys", history, "hello there", max_len, room)
+        assert dropped == fewest_dropped(WordTokenizer(), "sys", history, "hello there", max_len, room), case
+        assert prompt == WordTokenizer().apply_chat_template(
+            [{"role": "system", "content": "sys"}, *history[2 * dropped:], {"role": "user", "content": "hello there"}],
+            add_generation_prompt=True)
+
+
+class MeasuringTokenizer(WordTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> list[int]:
+        ids = super().apply_chat_template(messages, add_generation_prompt)
+        self.sizes.append(len(ids))
+        return ids
+
+
+def test_a_long_history_is_never_tokenized_whole() -> None:
+    history = turns(5000, words=200)  # about 2M tokens of history for a 2048-token context
+    for m in history:
+        m["tokens"] = 200
+    tok = MeasuringTokenizer()
+    prompt, dropped = fit_conversation(tok, "sys", history, "hello", max_model_len=2048, room=256)
+    assert len(prompt) + 256 <= 2048 and dropped == 5000 - 4  # four turns of 404 tokens fit, five do not
+    assert tok.calls <= 4 and max(tok.sizes) <= 2 * 2048, tok.sizes

@@ -74,3 +74,34 @@ def test_frame_budget_allows_a_burst_then_the_rate(clock: Clock) -> None:
     assert not budget.take()
     clock.now += 0.2  # one more frame's worth
     assert budget.take() and not budget.take()
+
+
+class QueueOf:
+    """An engine that only says how long its waiting queue is."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self.max_waiting = max_waiting
+
+    def stats(self) -> dict[str, int]:
+        return {"max_waiting": self.max_waiting}
+
+
+def test_a_key_holds_at_most_its_share_of_the_waiting_queue_while_admitting() -> None:
+    from chatsvc.metrics import Metrics
+
+    m = Metrics(QueueOf(10))  # type: ignore[arg-type]
+    q = Quotas(dataclasses.replace(Settings(), max_waiting_share=0.25, retry_after_s=2), m,
+               QueueOf(10))  # type: ignore[arg-type]
+    assert q.waiting_limit() == 2
+    with q.admitting("k1"), q.admitting("k1"):
+        with pytest.raises(APIError) as exc, q.admitting("k1"):
+            pass
+        assert exc.value.status == 429 and exc.value.headers == {"Retry-After": "2"}
+        with q.admitting("k2"), q.admitting(ANON), q.admitting(ANON), q.admitting(ANON):
+            pass  # another key's own share; no keys configured: no quota
+    assert not q.waiting  # every place given back, the refused one never taken
+    with pytest.raises(RuntimeError), q.admitting("k1"):
+        raise RuntimeError("admission failed")
+    assert not q.waiting
+    assert m.quota_refused.labels("waiting")._value.get() == 1
+    assert Quotas(Settings()).waiting_limit() is None  # no engine to measure: no waiting quota

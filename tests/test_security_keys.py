@@ -21,7 +21,7 @@ from websockets.sync.client import connect
 from chatsvc.app import SECRET_KEY, create_app
 from chatsvc.cli import add_serve_arguments, settings_from_args
 from chatsvc.settings import Settings
-from chatsvc.store import Store
+from chatsvc.store import Store, session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 KEY = "key-secret-a"
@@ -50,6 +50,7 @@ def server(redis_proc, tiny_dir: Path) -> Iterator[LiveServer]:  # noqa: F811
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     with serve(redis_proc.url, tiny_dir, metrics_key="metrics-token") as live:
         live.redis = sync_redis.Redis.from_url(redis_proc.url, decode_responses=True)  # type: ignore[attr-defined]
+        live.gw = live.server.config.app.state.gateway  # type: ignore[attr-defined]
         yield live
 
 
@@ -69,6 +70,42 @@ def test_ws_never_echoes_a_key_protocol(server: LiveServer) -> None:
     with connect(server.ws_url + "/v1/ws", subprotocols=["chatsvc", f"chatsvc.key.{KEY}"]) as ws:  # type: ignore[list-item]
         assert ws.subprotocol == "chatsvc"
         assert all(KEY not in v for _, v in ws.response.headers.raw_items())
+
+
+def test_a_key_traded_for_a_short_lived_token(server: LiveServer) -> None:
+    r = httpx.post(server.url + "/v1/auth/token", headers=A)
+    assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
+    body = r.json()
+    token = body["token"]
+    assert KEY not in token and body["expires_in"] == 900 and body["token_type"] == "bearer"
+    bearer = {"Authorization": f"Bearer {token}"}
+    sid = httpx.post(server.url + "/v1/sessions", json={}, headers=bearer).json()["id"]
+    assert httpx.get(f"{server.url}/v1/sessions/{sid}", headers=A).status_code == 200  # the key's own session
+    # The browser's ways: the WebSocket hello, or a subprotocol (never echoed).
+    with connect(server.ws_url + "/v1/ws", subprotocols=["chatsvc", f"chatsvc.key.{token}"]) as ws:  # type: ignore[list-item]
+        assert ws.subprotocol == "chatsvc" and all(token not in v for _, v in ws.response.headers.raw_items())
+        ws.send(json.dumps({"type": "hello", "session_id": sid}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"
+    with connect(server.ws_url + "/v1/ws") as ws:
+        ws.send(json.dumps({"type": "hello", "api_key": token, "session_id": sid}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"
+    # A token cannot mint tokens (it would never expire), a shorter life may be asked, a longer one not.
+    assert httpx.post(server.url + "/v1/auth/token", headers=bearer).status_code == 401
+    short = httpx.post(server.url + "/v1/auth/token", headers=A, json={"ttl_s": 10}).json()
+    assert short["expires_in"] == 10
+    r = httpx.post(server.url + "/v1/auth/token", headers=A, json={"ttl_s": 901})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ttl_s"
+    # Tampered or expired: 401.
+    tampered = token[:-1] + ("0" if token[-1] != "0" else "1")
+    r = httpx.get(server.url + "/v1/sessions", headers={"Authorization": f"Bearer {tampered}"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    expired, _ = server.gw.auth.issue_token(server.gw.auth.check_key(KEY), 10, now=0.0)  # type: ignore[attr-defined]
+    r = httpx.get(server.url + "/v1/sessions", headers={"Authorization": f"Bearer {expired}"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "token_expired"
+    with connect(server.ws_url + "/v1/ws") as ws:
+        ws.send(json.dumps({"type": "hello", "api_key": expired}))
+        frame = json.loads(ws.recv(timeout=30))
+        assert frame["type"] == "error" and frame["code"] == "token_expired"
 
 
 def test_ws_origin_defaults_to_the_servers_own(server: LiveServer) -> None:
@@ -144,7 +181,7 @@ def test_owner_ids_are_keyed_hmacs_that_survive_restarts(redis_proc, tiny_dir: P
     with serve(redis_proc.url, tiny_dir) as live:
         sid = httpx.post(live.url + "/v1/sessions", json={}, headers=A).json()["id"]
     secret = r.get(SECRET_KEY)
-    owner = r.hget(f"chatsvc:session:{sid}", "owner")
+    owner = r.hget(session_key(sid), "owner")
     assert secret and len(secret) == 64 and owner
     assert KEY not in owner and hashlib.sha256(KEY.encode()).hexdigest()[:24] not in owner
     with serve(redis_proc.url, tiny_dir) as live:  # a second start reuses the secret: the session is still ours

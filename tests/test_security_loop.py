@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +19,7 @@ from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa:
 from chatsvc.app import create_app
 from chatsvc.offload import TokenTexts, dumps_in_pieces
 from chatsvc.settings import Settings
-from chatsvc.store import Store
+from chatsvc.store import Store, session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 HEALTH_BUDGET_S = 0.2
@@ -45,12 +45,17 @@ def server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
         yield live
 
 
-def _health_while(server: LiveServer, request: dict[str, object]) -> tuple[httpx.Response, list[float]]:
-    """Run ``request`` while another client polls /health; (its response, every /health latency)."""
+def _health_while(server: LiveServer, request: dict[str, object] | Callable[[], httpx.Response]
+                  ) -> tuple[httpx.Response, list[float]]:
+    """Run ``request`` (a chat completion's body, or a call) while another client polls /health; (its
+    response, every /health latency)."""
     result: list[httpx.Response] = []
 
     def heavy() -> None:
-        result.append(httpx.post(server.url + "/v1/chat/completions", json=request, timeout=120))
+        if callable(request):
+            result.append(request())
+        else:
+            result.append(httpx.post(server.url + "/v1/chat/completions", json=request, timeout=120))
 
     t = threading.Thread(target=heavy)
     latencies: list[float] = []
@@ -94,6 +99,31 @@ def test_health_answers_while_the_largest_logprobs_reply_is_built(server: LiveSe
     choices = r.json()["choices"]
     assert len(choices) == 8 and all(len(c["logprobs"]["content"]) == 1190 for c in choices)
     assert len(choices[0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    assert_responsive(lat)
+
+
+def test_health_answers_while_a_session_turn_fits_a_huge_history(server: LiveServer, redis_proc) -> None:  # noqa: F811
+    import redis as sync_redis
+
+    from engine.tokenizer import Tokenizer
+
+    # A session with 300 turns of 8k-character messages (5 MB: seconds to tokenize whole), as the server
+    # stores them (each with its token count), then one more message: its turn drops the oldest turns.
+    sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+    text = ("hello world, how are you? " * 400)[:8_000]
+    tokens = len(Tokenizer.from_gguf(default_model_path()).encode(text))
+    history = [json.dumps({"role": role, "content": text, "created": 0.0, "tokens": tokens})
+               for _ in range(300) for role in ("user", "assistant")]
+    sync_redis.Redis.from_url(redis_proc.url).rpush(session_key(sid) + ":messages", *history)
+
+    def heavy() -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/sessions/{sid}/messages", json={"content": text, "max_tokens": 8},
+                          timeout=120)
+
+    r, lat = _health_while(server, heavy)
+    assert r.status_code == 200, r.text
+    done = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")][-1]
+    assert done["type"] == "done" and done["truncated_turns"] > 290
     assert_responsive(lat)
 
 

@@ -21,7 +21,7 @@ from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
 from chatsvc.app import create_app
 from chatsvc.personas import pin_key
 from chatsvc.settings import Settings
-from chatsvc.store import Store
+from chatsvc.store import Store, session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 ADMIN, KA, KB = "admin-key", "key-a", "key-b"
@@ -110,7 +110,7 @@ def test_owner_personas_do_not_collide(server: LiveServer) -> None:
     for key, who in ((KA, "A's"), (KB, "B's")):
         assert who in httpx.get(f"{server.url}/v1/personas/mine", headers=H[key]).json()["system_prompt"]
         sid = httpx.post(server.url + "/v1/sessions", json={"persona": "mine"}, headers=H[key]).json()["id"]
-        owner = server.redis.hget(f"chatsvc:session:{sid}", "system_prompt")  # type: ignore[attr-defined]
+        owner = server.redis.hget(session_key(sid), "system_prompt")  # type: ignore[attr-defined]
         assert who in owner
     for key in (KA, KB):
         assert httpx.delete(f"{server.url}/v1/personas/mine", headers=H[key]).status_code == 200

@@ -333,8 +333,10 @@ def test_html_in_messages_is_shown_as_text(open_tab: Callable[..., Tab], server:
     # The model's words cannot be steered, so a hostile reply is planted in the stored history.
     reply = ('**bold** <img src=x onerror="window.__pwned=3">\n\n```html\n<script>window.__pwned=4</script>\n```\n'
              "- item <b>x</b>\n- `<i>code</i>`")
+    from chatsvc.store import session_key
+
     r = redis.Redis(port=server.redis_port)
-    r.rpush(f"chatsvc:session:{sid}:messages", json.dumps(
+    r.rpush(session_key(sid) + ":messages", json.dumps(
         {"role": "assistant", "content": reply, "created": time.time(), "tokens": 9, "finish_reason": "stop"}))
     r.close()
     page.reload()
