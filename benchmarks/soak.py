@@ -309,7 +309,13 @@ async def faults(args: argparse.Namespace, stats: Stats, red: Redis, serve_pid: 
         await asyncio.sleep(10)
         engine_start = time.monotonic()
         # The engine child is the one holding the model: the largest of the gateway's children.
-        os.kill(max(children(serve_pid), key=rss_kb), signal.SIGKILL)
+        killed = max(children(serve_pid), key=rss_kb)
+        os.kill(killed, signal.SIGKILL)
+        # The window lasts until a new engine child serves: /ready alone could still answer 200 from before
+        # the gateway noticed the death (on a busy machine that takes more than a second).
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and killed in children(serve_pid):
+            await asyncio.sleep(0.2)
         await asyncio.sleep(1)
         await wait_ready(http, base, 300)
         stats.fault_end = time.monotonic() + 2
