@@ -34,7 +34,7 @@ for the 1-min load to fall to 0.5, so the load the previous side left behind is 
 
 Usage: python benchmarks/serving_vs_vllm.py [--workloads 32,64,b,c] [--dtype auto|bfloat16|float32]
            [--prepare-only] [--skip-ours] [--skip-vllm] [--skip-offline] [--compare-thread]
-           [--compare-env VAR=VALUE[,...]] [--quick] [--out benchmarks/results]
+           [--compare-env VAR=VALUE[,...]] [--compare-flags='--FLAG ...'] [--quick] [--out benchmarks/results]
 It installs what is missing outside the project's environment (vLLM in ~/.cache/chatsvc/vllm-venv, the model
 converted to an HF directory in ~/.cache/chatsvc/smollm2-135m-instruct-hf). ``--quick`` shrinks every workload
 to 4 chats x 16 tokens: it checks the plumbing and measures nothing. Last line: one JSON object
@@ -483,6 +483,9 @@ def main() -> int:
     ap.add_argument("--compare-env", action="append", default=[], metavar="VAR=VALUE[,VAR=VALUE...]",
                     help="also run ours on workload 32 with these environment variables set for the server (e.g. "
                          "the engine process's OpenMP wait policy); repeatable, one extra row each")
+    ap.add_argument("--compare-flags", action="append", default=[], metavar="'--FLAG [--FLAG VALUE...]'",
+                    help="also run ours on workload 32 with these extra `chatsvc serve` flags, given with = (e.g. "
+                         "--compare-flags=--no-adaptive-threads); repeatable, one extra row each")
     ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
     ap.add_argument("--settle-s", type=float, default=None,
                     help="before each side's run, wait up to this long for the 1-min load average to fall to "
@@ -549,6 +552,13 @@ def main() -> int:
                                   f"http://127.0.0.1:{port}/ready", log_path, 600)
 
                 plan.append((f"ours_env{i}", start_with_env, ["32"]))
+            for i, spec in enumerate(a.compare_flags, 1):
+                def start_with_flags(port: int, log_path: Path, flags: tuple[str, ...] = tuple(spec.split())
+                                     ) -> contextlib.AbstractContextManager[None]:
+                    return server(ours_command(port, dtype_flags, kv_gib, extra=flags), project_env(),
+                                  f"http://127.0.0.1:{port}/ready", log_path, 600)
+
+                plan.append((f"ours_flags{i}", start_with_flags, ["32"]))
         if "c" in keys:
             plan.append(("ours_noprefix", lambda port, log_path: server(
                 ours_command(port, dtype_flags, kv_gib, prefix_caching=False), project_env(),
@@ -597,6 +607,12 @@ def main() -> int:
                    "itl_p50": pick(results, f"ours_env{i}", "32", "itl_ms", "p50"),
                    "over_default": ratio(pick(results, f"ours_env{i}", "32", "output_tok_s"), served)}
             for i, spec in enumerate(a.compare_env, 1)}
+    if a.compare_flags:
+        final["flag_variants"] = {
+            spec: {"tok_s": pick(results, f"ours_flags{i}", "32", "output_tok_s"),
+                   "itl_p50": pick(results, f"ours_flags{i}", "32", "itl_ms", "p50"),
+                   "over_default": ratio(pick(results, f"ours_flags{i}", "32", "output_tok_s"), served)}
+            for i, spec in enumerate(a.compare_flags, 1)}
 
     md = [f"# Serving: chatsvc vs vLLM, {stamp}{' (QUICK: plumbing only, not a measurement)' if a.quick else ''}",
           "", f"- machine: {host.line()}",
