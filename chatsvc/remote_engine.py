@@ -18,10 +18,12 @@ dispatched again, to another worker, with the prompt plus the tokens already str
 ``max_tokens`` (and of ``min_tokens``). The new worker recomputes those tokens' KV as a prompt (the path a
 recompute preemption takes) and continues; deltas keep counting prompt and completion tokens of the
 original request, so the caller sees one stream with no token twice and none missing. Greedy sampling
-gives the same reply as an uninterrupted run. Not exact across a failover, and documented as such: a
-seeded sampled stream restarts its generator (the seed, not the position), output-token penalties
-(presence, frequency) no longer see the tokens before the failover, and a stop string that straddles the
-failover point is not matched. A request of ``n > 1`` fails with ``EngineDeadError`` instead.
+gives the same reply as an uninterrupted run. The new worker decodes only its own tokens, so after a
+failover the gateway re-derives each delta's text with one detokenizer over all the reply's tokens (a
+character split over the failover point is whole, a stop string straddling it ends the stream). Not exact
+across a failover, and documented as such: a seeded sampled stream restarts its generator (from the seed,
+not from its position) and output-token penalties (presence, frequency) no longer see the tokens before the
+failover. A request of ``n > 1`` fails with ``EngineDeadError`` instead.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from chatsvc.router import Router
 from engine.client import EngineClient, EngineDeadError
+from engine.detokenizer import IncrementalDetokenizer
 from engine.request import SamplingParams
 from engine.scheduler import QueueFullError
 from engine.streams import (
@@ -222,6 +225,7 @@ class RemoteEngine(EngineClient):
         where: tuple[str, str] | None = None  # (worker, dispatch) of the live dispatch
         finished = False
         failover = False
+        detok: IncrementalDetokenizer | None = None  # after a failover: the text as one worker would have made it
         try:
             while True:
                 worker = await self._place(session_id, pin, failover)
@@ -235,11 +239,12 @@ class RemoteEngine(EngineClient):
                             delta.completion_tokens += base
                             delta.cached_tokens = min(delta.cached_tokens, len(prompt_ids))
                         delta.prompt_tokens = len(prompt_ids)
+                        cut = detok is not None and self._retext(detok, delta)
                         if params.n == 1:
                             streamed.extend(delta.token_ids)
                         yield delta
                         if delta.request_finished:
-                            finished = True
+                            finished = not cut  # a stream cut here still runs on its worker
                             return
                     raise WorkerLost("the output stream ended without the request's end")
                 except WorkerLost as exc:
@@ -252,10 +257,29 @@ class RemoteEngine(EngineClient):
                     log.warning("request %s lost its worker %s (%s) after %d tokens; dispatching it again",
                                 request_id, worker.worker, exc, len(streamed))
                     failover = True
+                    if detok is None:
+                        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params,
+                                                       eos_token_ids=self.tokenizer.eos_token_ids)
+                        detok.step(streamed)  # what was sent so far: the same state the first worker had
         finally:
             if where is not None:
                 self._pending[where[0]] -= 1
                 await self._end(request_id, where, aborted=not finished)
+
+    @staticmethod
+    def _retext(detok: IncrementalDetokenizer, delta: RequestDelta) -> bool:
+        """A failed-over delta's text as the first worker's detokenizer would have made it: the new worker
+        decodes only its own tokens, so it would drop a character split over the failover point and miss a
+        stop string that straddles it. True: the stream ends here (such a stop string), not on the worker."""
+        step = detok.step(delta.token_ids)
+        delta.text = step.text_delta
+        if step.stop_str is not None and not delta.finished:
+            delta.finished = delta.request_finished = True
+            delta.finish_reason, delta.stop_reason = "stop", step.stop_str
+            return True
+        if delta.finished and not step.stopped:
+            delta.text += detok.flush()
+        return False
 
     @staticmethod
     def _rest(params: SamplingParams, done: int) -> SamplingParams:
