@@ -180,9 +180,12 @@ class Worker:
         fence_waiter.cancel()
         reader.cancel()
         if self.fenced:
+            serving = list(self._running.values())
             for request_id in list(self._running):
                 with contextlib.suppress(Exception):
                     await self.engine.abort(request_id)
+            if serving:  # their abort deltas go out before the writer stops
+                await asyncio.wait(serving, timeout=10.0)
         else:
             await self._drain()
         for task in loops:

@@ -22,7 +22,6 @@ from gateway_fixtures import redis_proc  # noqa: F401
 from scaleout_workers import TINY_FLAGS, WorkerProc
 
 from chatsvc.remote_engine import RemoteEngine
-from chatsvc.router import Router
 from engine.client import EngineDeadError
 from engine.engine import RequestDelta
 from engine.request import SamplingParams
@@ -182,12 +181,3 @@ async def test_sigterm_drains_the_running_request_then_leaves(gateway: RemoteEng
         await run(gateway, "orphan", [1, 2, 3], 4)
     assert 1.5 < time.monotonic() - started < 10
 
-
-def test_random_policy_ignores_affinity() -> None:
-    from engine.streams import Beat
-
-    beats = [Beat(worker=w, pid=1, host="h", model_name="m", max_model_len=512, block_size=16, time=0.0)
-             for w in ("a", "b")]
-    router = Router(policy="random")
-    chosen = {router.choose(beats, session_worker="a").worker for _ in range(50)}  # type: ignore[union-attr]
-    assert chosen == {"a", "b"} and router.decisions["random"] == 50
