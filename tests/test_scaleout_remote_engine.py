@@ -116,13 +116,14 @@ async def test_persona_sessions_spread_over_both_workers_each_pinning_it_once(
     assert all(r[-1].completion_tokens == 24 for r in replies)
     await wait_for(lambda: all("persona:tutor" in (w.beat() or w).pins for w in workers))  # type: ignore[union-attr]
     assert gateway.router.decisions["persona"] >= 2
-    client = redis.Redis.from_url(workers[0].url, decode_responses=True)
-    for w in workers:  # the pin holds the persona's full blocks once on each worker
-        client.xadd(Keys().control(w.id), {"v": "1", "type": "want_kv", "data": "{}"})
-    await wait_for(lambda: all(client.get(Keys().kv(w.id)) for w in workers))
-    for w in workers:
-        pins = json.loads(client.get(Keys().kv(w.id)))["pins"]  # type: ignore[arg-type]
-        assert len(pins["persona:tutor"]) == 2
+    # /v1/kv's picture: both pools side by side, the pin holding the persona's two full blocks on each.
+    await wait_for(lambda: len(gateway.kv_snapshot()["workers"]) == 2)
+    snap = gateway.kv_snapshot()
+    assert snap["num_blocks"] == len(snap["state"]) == sum(w["num_blocks"] for w in snap["workers"])
+    pinned = snap["pins"]["persona:tutor"]
+    assert len(pinned) == 4 and all(snap["state"][b] == "pinned" for b in pinned)
+    offsets = [w["offset"] for w in snap["workers"]]
+    assert [b >= offsets[1] for b in sorted(pinned)] == [False, False, True, True]
 
 
 async def test_abort_from_a_second_gateway_frees_the_blocks_on_the_worker(
