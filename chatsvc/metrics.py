@@ -70,6 +70,11 @@ def _worker_metrics(s: dict[str, Any]) -> Iterator[Metric]:
         for reason, n in s["route_decisions"].items():
             routes.add_metric([reason], float(n))
         yield routes
+    if "hop_entries" in s:
+        yield CounterMetricFamily("chatsvc_worker_hop_seconds", "Worker write to gateway read of output "
+                                  "entries (one per request per engine step), summed", value=float(s["hop_seconds"]))
+        yield CounterMetricFamily("chatsvc_worker_hop_entries", "Output entries read from workers",
+                                  value=float(s["hop_entries"]))
     workers: dict[str, dict[str, Any]] = s.get("workers") or {}
     if not workers:
         return

@@ -100,6 +100,8 @@ class RemoteEngine(EngineClient):
         self.wait_for_worker_s = wait_for_worker_s
         self.workers: dict[str, Beat] = {}  # the live workers' last beats
         self.failovers = 0
+        self.hop_seconds = 0.0  # worker write -> gateway read, summed over output entries (one per step)
+        self.hop_entries = 0
         self._pins: dict[str, list[int]] = {}  # pin key -> prefix token ids (the Redis hash, refreshed)
         self._pending: Counter[str] = Counter()  # this gateway's open dispatches per worker
         self._pinning: dict[str, set[str]] = {}  # pins this gateway's requests asked of each worker
@@ -340,6 +342,9 @@ class RemoteEngine(EngineClient):
                             raise WorkerLost(msg.message)
                         raise _ERRORS.get(msg.kind, RuntimeError)(msg.message)
                     if isinstance(msg, Deltas):
+                        if msg.sent:
+                            self.hop_seconds += max(0.0, time.time() - msg.sent)
+                            self.hop_entries += 1
                         for delta in msg.deltas:
                             yield delta
 
@@ -414,6 +419,8 @@ class RemoteEngine(EngineClient):
                                    "draining": b.draining} for b in beats},
             "route_decisions": dict(self.router.decisions),
             "failovers": self.failovers,
+            "hop_seconds": self.hop_seconds,
+            "hop_entries": self.hop_entries,
         })
         return total
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -125,9 +126,10 @@ class OutWriter:
     async def _write(self, batch: dict[str, list[Message]]) -> None:
         for attempt in range(5):
             pipe = self.r.pipeline(transaction=False)
+            now = time.time()
             for key, msgs in batch.items():
                 for msg in msgs:
-                    pipe.xadd(key, encode(msg))
+                    pipe.xadd(key, encode(dataclasses.replace(msg, sent=now) if isinstance(msg, Deltas) else msg))
                 pipe.expire(key, self.ttl_s)
             try:
                 await pipe.execute()

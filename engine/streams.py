@@ -144,10 +144,13 @@ class WantKV:
 
 @dataclass(frozen=True)
 class Deltas:
-    """The deltas one engine step (or a few, if the writer fell behind) produced for one request."""
+    """The deltas one engine step (or a few, if the writer fell behind) produced for one request. ``sent``: the
+    worker's wall clock when it wrote them, so the gateway can measure the Redis hop (on one machine, or
+    with synchronised clocks)."""
 
     TYPE: ClassVar[str] = "deltas"
     deltas: list[RequestDelta]
+    sent: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,7 @@ def _fields(msg: Message) -> dict[str, Any]:
             return {"request_id": msg.request_id, "dispatch": msg.dispatch, "params": dataclasses.asdict(msg.params),
                     "prompt_token_ids": msg.prompt_token_ids, "pin": msg.pin}
         case Deltas():
-            return {"deltas": [encode_delta(d) for d in msg.deltas]}
+            return {"deltas": [encode_delta(d) for d in msg.deltas], "sent": msg.sent}
         case _:
             return dataclasses.asdict(msg)
 
@@ -239,6 +242,6 @@ def decode(entry: dict[str, str]) -> Message:
         return Generate(data["request_id"], data["dispatch"], SamplingParams(**params),
                         [int(t) for t in data["prompt_token_ids"]], data.get("pin"))
     if cls is Deltas:
-        return Deltas([decode_delta(d) for d in data["deltas"]])
+        return Deltas([decode_delta(d) for d in data["deltas"]], float(data.get("sent", 0.0)))
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})

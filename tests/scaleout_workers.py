@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +27,9 @@ class WorkerProc:
         args = [sys.executable, "-m", "chatsvc.cli", "worker", "--redis-url", redis_url, "--model", model,
                 "--name", name, "--heartbeat-ttl", str(ttl_s), "--log-level", "warning", *flags]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # A file, not a pipe: a pipe nobody reads would stall a worker that logs more than its buffer.
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - closed by kill9/terminate
+        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.id = ""
 
     @property
@@ -53,14 +56,14 @@ class WorkerProc:
         return Beat.from_json(raw) if raw else None
 
     def output(self) -> str:
-        if self.proc.poll() is None or self.proc.stdout is None:
-            return ""
-        return self.proc.stdout.read().decode(errors="replace")
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
 
     def kill9(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
+        self.log.close()
 
     def terminate(self, timeout_s: float = 60) -> int:
         if self.proc.poll() is None:
@@ -69,4 +72,5 @@ class WorkerProc:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill9()
+        self.log.close()
         return int(self.proc.returncode)

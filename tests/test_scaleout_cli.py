@@ -51,6 +51,8 @@ def test_a_session_through_a_gateway_without_a_model(stack: tuple[str, WorkerPro
     metrics = httpx.get(base + "/metrics", timeout=10).text
     assert re.search(r'chatsvc_route_decisions_total\{reason="session"\} 1\.0', metrics), metrics
     assert f'chatsvc_worker_kv_blocks_free{{worker="{worker.id}"}}' in metrics
+    hops = re.search(r"^chatsvc_worker_hop_entries_total (\S+)$", metrics, re.M)
+    assert hops and float(hops.group(1)) >= 2  # every output entry's Redis hop is measured
     ready = httpx.get(base + "/ready", timeout=10)
     assert ready.status_code == 200
     assert worker.terminate() == 0  # SIGTERM: drains (nothing running) and leaves

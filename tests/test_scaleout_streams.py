@@ -30,7 +30,7 @@ def test_every_message_round_trips() -> None:
     delta = RequestDelta("r1", 0, "hé", [5, 6], False, None, [{5: -0.1, 9: -2.5}, {6: -0.3}], 12, 2, 0)
     msgs = [Generate("r1", "d1", params, [1, 2, 3], "persona:x"), Generate("r2", "d2", SamplingParams(), [4]),
             Abort("r1"), Pin("persona:x", [1, 2], "call-1"), Unpin("persona:x"), WantKV(),
-            Deltas([delta, RequestDelta("r1", 0, "", [7], True, "length", None, 12, 3, 0, True)]),
+            Deltas([delta, RequestDelta("r1", 0, "", [7], True, "length", None, 12, 3, 0, True)], 1764547200.25),
             Error("QueueFullError", "full")]
     for msg in msgs:
         entry = encode(msg)
