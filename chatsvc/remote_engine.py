@@ -425,7 +425,7 @@ class RemoteEngine(EngineClient):
         return total
 
     def kv_snapshot(self) -> dict[str, Any]:
-        """The workers' block pools side by side: block ids are offset by each pool's start (``workers``)."""
+        """The workers' block pools side by side: block ids are offset by each pool's start (``pools``)."""
         now = time.monotonic()
         if self._started and now - self._kv_asked > KV_WINDOW_S / 2:
             self._kv_asked = now
@@ -439,10 +439,10 @@ class RemoteEngine(EngineClient):
 
             self._spawn(ask())
         merged: dict[str, Any] = {"block_size": self._block_size(), "num_blocks": 0, "state": [], "refcounts": [],
-                                  "cpu_used": 0, "requests": {}, "pins": {}, "workers": []}
+                                  "cpu_used": 0, "requests": {}, "pins": {}, "pools": []}
         for wid in sorted(self._kv):
             snap, offset = self._kv[wid], merged["num_blocks"]
-            merged["workers"].append({"worker": wid, "offset": offset, "num_blocks": snap.get("num_blocks", 0)})
+            merged["pools"].append({"worker": wid, "offset": offset, "num_blocks": snap.get("num_blocks", 0)})
             merged["num_blocks"] += int(snap.get("num_blocks", 0))
             merged["state"] += snap.get("state", [])
             merged["refcounts"] += snap.get("refcounts", [])

@@ -117,12 +117,12 @@ async def test_persona_sessions_spread_over_both_workers_each_pinning_it_once(
     await wait_for(lambda: all("persona:tutor" in (w.beat() or w).pins for w in workers))  # type: ignore[union-attr]
     assert gateway.router.decisions["persona"] >= 2
     # /v1/kv's picture: both pools side by side, the pin holding the persona's two full blocks on each.
-    await wait_for(lambda: len(gateway.kv_snapshot()["workers"]) == 2)
+    await wait_for(lambda: len(gateway.kv_snapshot()["pools"]) == 2)
     snap = gateway.kv_snapshot()
-    assert snap["num_blocks"] == len(snap["state"]) == sum(w["num_blocks"] for w in snap["workers"])
+    assert snap["num_blocks"] == len(snap["state"]) == sum(w["num_blocks"] for w in snap["pools"])
     pinned = snap["pins"]["persona:tutor"]
     assert len(pinned) == 4 and all(snap["state"][b] == "pinned" for b in pinned)
-    offsets = [w["offset"] for w in snap["workers"]]
+    offsets = [w["offset"] for w in snap["pools"]]
     assert [b >= offsets[1] for b in sorted(pinned)] == [False, False, True, True]
 
 
