@@ -109,6 +109,7 @@ class RemoteEngine(EngineClient):
         self._kv_asked = 0.0
         self._monitor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._unpinning: dict[str, asyncio.Task[Any]] = {}
         self._started = False
         self._stopping = False
 
@@ -372,6 +373,9 @@ class RemoteEngine(EngineClient):
 
         Returns the tokens a worker pins: the prefix's full blocks."""
         ids = [int(t) for t in prompt_token_ids]
+        unpinning = self._unpinning.get(key)
+        if unpinning is not None:  # a re-pin (a persona changed) must land after the unpin before it
+            await asyncio.gather(unpinning, return_exceptions=True)
         await self.r.hset(self.keys.pins, key, json.dumps(ids))
         self._pins[key] = ids
         return len(ids) // self._block_size() * self._block_size()
@@ -401,7 +405,9 @@ class RemoteEngine(EngineClient):
                 pipe.xadd(self.keys.control(wid), encode(Unpin(key)))
             await pipe.execute()
 
-        self._spawn(unpin())
+        task = self._spawn(unpin())
+        self._unpinning[key] = task
+        task.add_done_callback(lambda t: self._unpinning.pop(key, None) if self._unpinning.get(key) is t else None)
 
     def _block_size(self) -> int:
         return next((b.block_size for b in self.workers.values()), 16)
@@ -453,7 +459,8 @@ class RemoteEngine(EngineClient):
                 merged["pins"].setdefault(key, []).extend(offset + b for b in blocks)
         return merged
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task

@@ -90,6 +90,22 @@ def route(redis_url: str, key: str) -> str | None:
     return None if value is None else str(value)
 
 
+async def test_a_repin_after_an_unpin_keeps_the_prefix_registered(redis_proc, tiny: Path) -> None:  # noqa: F811
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), keys=Keys("repin:"), wait_for_worker_s=0.5)
+    await eng.start()
+    try:
+        for ids in ([1, 2, 3], [4, 5, 6]):  # a persona edited: unpin its old prefix, pin the new one
+            eng.unpin_prefix("persona:p")
+            assert await eng.pin_prefix("persona:p", ids) == 0  # shorter than a block: nothing to pin
+            await asyncio.sleep(0.05)
+            raw = redis.Redis.from_url(redis_proc.url, decode_responses=True).hget("repin:pins", "persona:p")
+            assert json.loads(raw or "null") == ids  # type: ignore[arg-type]
+        with pytest.raises(EngineDeadError):  # no worker under these keys: refused after the bounded wait
+            await run(eng, "nobody", [1, 2, 3], 2)
+    finally:
+        await eng.stop()
+
+
 async def test_session_turns_stay_on_their_worker_and_hit_the_prefix_cache(gateway: RemoteEngine,
                                                                            redis_proc) -> None:  # noqa: F811
     prompt = [5 + i % 200 for i in range(37)]
