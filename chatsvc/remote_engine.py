@@ -58,6 +58,7 @@ from engine.streams import (
     WantKV,
     decode,
     encode,
+    raise_if_cancelled,
 )
 
 if TYPE_CHECKING:
@@ -152,7 +153,8 @@ class RemoteEngine(EngineClient):
         return self._started and any(not w.draining for w in self.workers.values())
 
     async def _watch(self) -> None:
-        while True:
+        while not self._stopping:
+            raise_if_cancelled()
             await asyncio.sleep(self.poll_s)
             try:
                 await self.refresh()
@@ -306,6 +308,7 @@ class RemoteEngine(EngineClient):
             session_worker = await self.r.get(self.keys.session(session_id))
         deadline = time.monotonic() + self.wait_for_worker_s
         while True:
+            raise_if_cancelled()
             worker = self.router.choose(list(self.workers.values()), pending=self._pending, pinning=self._pinning,
                                         session_worker=session_worker, pin=pin, failover=failover)
             if worker is not None:
@@ -331,6 +334,7 @@ class RemoteEngine(EngineClient):
         key, last = self.keys.out(dispatch), "0-0"
         block_ms = max(1, int(self.poll_s * 1000))
         while True:
+            raise_if_cancelled()
             resp = await self.r.xread({key: last}, count=256, block=block_ms)
             if not resp and worker not in self.workers:
                 raise WorkerLost(f"worker {worker} stopped beating")

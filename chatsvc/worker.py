@@ -57,6 +57,7 @@ from engine.streams import (
     WantKV,
     decode,
     encode,
+    raise_if_cancelled,
 )
 
 log = logging.getLogger("chatsvc.worker")
@@ -113,6 +114,7 @@ class OutWriter:
 
     async def run(self) -> None:
         while True:
+            raise_if_cancelled()
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(0)  # the other relays of this engine step hand theirs in meanwhile
@@ -250,6 +252,7 @@ class Worker:
 
     async def _heartbeat(self, fenced: asyncio.Event) -> None:
         while True:
+            raise_if_cancelled()
             await asyncio.sleep(self.ttl_s / 4)
             try:
                 if not await self._beat():
@@ -265,6 +268,7 @@ class Worker:
     async def _read_requests(self) -> None:
         key = self.keys.requests(self.id)
         while True:
+            raise_if_cancelled()
             try:
                 resp = await self.r.xreadgroup(GROUP, self.id, {key: ">"}, count=64, block=READ_BLOCK_MS)
             except RedisError as exc:
@@ -319,6 +323,7 @@ class Worker:
     async def _read_control(self) -> None:
         key, last = self.keys.control(self.id), "0-0"
         while True:
+            raise_if_cancelled()
             try:
                 resp = await self.r.xread({key: last}, count=64, block=READ_BLOCK_MS)
             except RedisError as exc:

@@ -38,6 +38,7 @@ must bump ``VERSION`` to change or remove one.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from engine.engine import RequestDelta
 from engine.request import SamplingParams
 
 __all__ = ["VERSION", "Keys", "Generate", "Deltas", "Error", "Abort", "Pin", "Unpin", "WantKV", "Beat",
-           "Message", "ProtocolError", "encode", "decode", "encode_delta", "decode_delta"]
+           "Message", "ProtocolError", "encode", "decode", "encode_delta", "decode_delta", "raise_if_cancelled"]
 
 VERSION = 1
 KV_WINDOW_S = 3.0  # a WantKV keeps the worker publishing its KV picture this long
@@ -199,6 +200,17 @@ class Beat:
 
 Message = Generate | Abort | Pin | Unpin | WantKV | Deltas | Error
 _TYPES: dict[str, type[Message]] = {c.TYPE: c for c in (Generate, Abort, Pin, Unpin, WantKV, Deltas, Error)}
+
+
+def raise_if_cancelled() -> None:
+    """Raise CancelledError if the current task was asked to stop.
+
+    redis-py (8.1) can swallow the CancelledError that a ``cancel()`` delivers while a command is in flight:
+    the command completes and the caller goes on, with only ``Task.cancelling()`` left to tell. Every loop
+    over Redis commands on either side calls this once per iteration, so a cancelled loop still ends."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 def encode_delta(d: RequestDelta) -> dict[str, Any]:

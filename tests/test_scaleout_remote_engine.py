@@ -133,8 +133,10 @@ async def test_persona_sessions_spread_over_both_workers_each_pinning_it_once(
     await wait_for(lambda: all("persona:tutor" in (w.beat() or w).pins for w in workers))  # type: ignore[union-attr]
     assert gateway.router.decisions["persona"] >= 2
     # /v1/kv's picture: both pools side by side, the pin holding the persona's two full blocks on each.
-    await wait_for(lambda: len(gateway.kv_snapshot()["pools"]) == 2)
+    # An engine answers with its latest picture and refreshes it on being asked: wait for one with the pins.
+    await wait_for(lambda: len(gateway.kv_snapshot()["pins"].get("persona:tutor", [])) == 4)
     snap = gateway.kv_snapshot()
+    assert len(snap["pools"]) == 2
     assert snap["num_blocks"] == len(snap["state"]) == sum(w["num_blocks"] for w in snap["pools"])
     pinned = snap["pins"]["persona:tutor"]
     assert len(pinned) == 4 and all(snap["state"][b] == "pinned" for b in pinned)
