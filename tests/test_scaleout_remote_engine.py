@@ -106,6 +106,34 @@ async def test_a_repin_after_an_unpin_keeps_the_prefix_registered(redis_proc, ti
         await eng.stop()
 
 
+async def test_a_request_waits_for_a_worker_that_registers_late(redis_proc, tiny: Path) -> None:  # noqa: F811
+    import redis.asyncio as aioredis
+
+    from chatsvc.worker import Worker
+    from engine.async_engine import AsyncEngine
+
+    keys = Keys("late:")
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), keys=keys, poll_s=0.1, wait_for_worker_s=60)
+    await eng.start()
+    client = aioredis.Redis.from_url(redis_proc.url, decode_responses=True)
+    stop = asyncio.Event()
+    try:
+        waiting = asyncio.create_task(run(eng, "early", [5, 6, 7, 8], 6))
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and not eng.is_running  # no worker yet: the request waits, /ready says 503
+        engine = AsyncEngine.from_args(model=str(tiny), dtype="float32", attention_backend="torch",
+                                       num_kv_blocks=32, max_model_len=512, engine_threads=1)
+        worker = asyncio.create_task(Worker(engine, client, "late-w", keys=keys, ttl_s=2.0).run(stop))
+        got = await asyncio.wait_for(waiting, 60)
+        assert got[-1].completion_tokens == 6 and eng.router.decisions["load"] == 1
+        stop.set()
+        assert await worker == 0
+    finally:
+        stop.set()
+        await eng.stop()
+        await client.aclose()
+
+
 async def test_session_turns_stay_on_their_worker_and_hit_the_prefix_cache(gateway: RemoteEngine,
                                                                            redis_proc) -> None:  # noqa: F811
     prompt = [5 + i % 200 for i in range(37)]
