@@ -278,10 +278,11 @@ class RemoteEngine(EngineClient):
         stop string that straddles it. True: the stream ends here (such a stop string), not on the worker."""
         step = detok.step(delta.token_ids)
         delta.text = step.text_delta
-        if step.stop_str is not None and not delta.finished:
+        if step.stop_str is not None:
+            cut = not delta.finished
             delta.finished = delta.request_finished = True
             delta.finish_reason, delta.stop_reason = "stop", step.stop_str
-            return True
+            return cut
         if delta.finished and not step.stopped:
             delta.text += detok.flush()
         return False

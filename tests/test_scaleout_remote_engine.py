@@ -228,3 +228,19 @@ async def test_sigterm_drains_the_running_request_then_leaves(gateway: RemoteEng
         await run(gateway, "orphan", [1, 2, 3], 4)
     assert 1.5 < time.monotonic() - started < 10
 
+
+
+def test_after_a_failover_a_stop_string_straddling_it_still_ends_the_reply(tiny: Path) -> None:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.loader import load_tokenizer
+
+    tok, _ = load_tokenizer(str(tiny))
+    params = SamplingParams(temperature=0.0, max_tokens=50, stop=["xy"])
+    detok = IncrementalDetokenizer(tok, [1, 2], params, eos_token_ids=tok.eos_token_ids)
+    detok.step(tok.encode("ab x"))  # streamed before the failover: "x" held back as a possible stop start
+    # The new worker decodes only its own tokens, so it saw no stop string and ran on.
+    delta = RequestDelta("r", 0, "y!", tok.encode("y!"), False, None, None, 2, 5, 0)
+    assert RemoteEngine._retext(detok, delta) is True  # cut here: the worker is to be aborted
+    assert (delta.finished, delta.request_finished, delta.finish_reason, delta.stop_reason) == (
+        True, True, "stop", "xy")
+    assert delta.text == ""  # nothing of the stop string reaches the client, nor anything after it
