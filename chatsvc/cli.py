@@ -1,4 +1,5 @@
-"""``chatsvc`` command line: ``serve`` (the gateway, its engine in a child process or a thread) and ``bench``."""
+"""``chatsvc`` command line: ``serve`` (the gateway, its engine in a child process or a thread, or engine workers
+over Redis), ``worker`` (one engine serving gateways over Redis) and ``bench``."""
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Redis URL (default: $REDIS_URL, else an embedded redis-server)")
     p.add_argument("--data-dir", type=Path, default=None, help="embedded Redis data dir (default: user data dir)")
     add_engine_arguments(p)
-    p.add_argument("--engine", choices=["process", "thread"], default="process",
-                   help="run the engine loop in a child process (its own GIL and cores) or on a thread of the "
-                        "gateway's process")
+    p.add_argument("--engine", choices=["process", "thread", "redis"], default="process",
+                   help="run the engine loop in a child process (its own GIL and cores), on a thread of the "
+                        "gateway's process, or in `chatsvc worker` processes reached through --redis-url (redis: "
+                        "this gateway loads only the tokenizer of --model)")
+    p.add_argument("--route-policy", choices=["affinity", "random"], default="affinity",
+                   help="with --engine redis: place a session's turns and a persona's sessions where their blocks "
+                        "are cached (affinity), or anywhere (random: a benchmark baseline)")
     p.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
     p.add_argument("--admin-key", action="append", default=None, dest="admin_keys",
@@ -136,6 +141,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                     max_sockets_per_key=args.max_sockets_per_key, max_waiting_share=args.max_waiting_share)
 
 
+def remote_engine(args: argparse.Namespace, redis_url: str) -> EngineClient:
+    """The client of engine workers: tokenizer of --model here, models in `chatsvc worker` processes."""
+    from chatsvc.remote_engine import RemoteEngine
+    from chatsvc.router import Router
+
+    kwargs: dict[str, Any] = {"router": Router(policy=args.route_policy), "session_ttl_s": args.session_ttl}
+    if args.max_model_len is not None:
+        kwargs["max_model_len"] = args.max_model_len
+    return RemoteEngine.from_url(redis_url, args.model, **kwargs)
+
+
 def build_engine(config: EngineConfig, kind: str = "process") -> EngineClient:
     """The engine the gateway serves from; "process" blocks until the child has loaded the model."""
     if kind == "process":
@@ -178,7 +194,7 @@ def serve(args: argparse.Namespace) -> int:
             embedded = EmbeddedRedis((args.data_dir or default_data_dir()) / "redis")
             url = embedded.start()
             desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {url}, append-only"
-        engine = build_engine(engine_config(args), args.engine)
+        engine = remote_engine(args, url) if args.engine == "redis" else build_engine(engine_config(args), args.engine)
         stats = engine.stats()
         log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
                  engine.max_model_len, stats.get("kv_blocks_total", 0), args.block_size,
@@ -202,10 +218,51 @@ def serve(args: argparse.Namespace) -> int:
             embedded.stop()
 
 
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), required="REDIS_URL" not in os.environ,
+                   help="the Redis the gateways use (default: $REDIS_URL)")
+    p.add_argument("--name", default=None, help="worker name (default: the host name); the id adds pid and a nonce")
+    p.add_argument("--heartbeat-ttl", type=float, default=3.0,
+                   help="seconds without a heartbeat after which gateways take the worker for dead and move its "
+                        "requests (it beats every quarter of this)")
+    p.add_argument("--drain-timeout", type=float, default=600.0,
+                   help="on SIGTERM, how long running requests may take to finish before the worker exits")
+    add_engine_arguments(p)
+    p.add_argument("--engine", choices=["process", "thread"], default="process",
+                   help="run the engine loop in a child process or on a thread of the worker")
+    p.add_argument("--log-level", default="info")
+
+
+def worker(args: argparse.Namespace) -> int:
+    import redis.asyncio as aioredis
+
+    from chatsvc.worker import Worker, worker_id
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = build_engine(engine_config(args), args.engine)
+
+    async def run() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)  # drain, then exit
+        client = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2,
+                                         health_check_interval=15)
+        try:
+            return await Worker(engine, client, worker_id(args.name), ttl_s=args.heartbeat_ttl,
+                                drain_timeout_s=args.drain_timeout).run(stop)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="chatsvc", description="streaming chat service on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(sub.add_parser("serve", help="run the gateway and the engine"))
+    add_worker_arguments(sub.add_parser("worker", help="run one engine serving gateways (serve --engine redis) "
+                                                       "through Redis"))
     bench_parser = sub.add_parser("bench", help="load-test a running server")
     from chatsvc import bench
 
@@ -213,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "worker":
+        return worker(args)
     return int(bench.run(args))
 
 

@@ -22,8 +22,9 @@ class Generation:
     errors (invalid request, full queue) surface as HTTP errors before any response is sent."""
 
     def __init__(self, engine: EngineClient, metrics: Metrics, request_id: str, params: SamplingParams,
-                 prompt_token_ids: list[int], retry_after_s: int = 1) -> None:
+                 prompt_token_ids: list[int], retry_after_s: int = 1, session_id: str | None = None) -> None:
         self.engine = engine
+        self.session_id = session_id
         self.metrics = metrics
         self.request_id = request_id
         self.params = params
@@ -39,7 +40,7 @@ class Generation:
     async def start(self) -> None:
         try:
             self._it = aiter(self.engine.generate(self.request_id, self.params,
-                                                  prompt_token_ids=self.prompt_token_ids))
+                                                  prompt_token_ids=self.prompt_token_ids, session_id=self.session_id))
             self._first = await anext(self._it)
         except StopAsyncIteration:
             self._first = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -53,6 +54,44 @@ class EngineCollector(Collector):
         pre.add_metric(["swap"], float(s.get("preemptions_swap", 0)))
         pre.add_metric(["recompute"], float(s.get("preemptions_recompute", 0)))
         yield pre
+        yield from _worker_metrics(s)
+
+
+# Per-worker gauges of an engine spread over workers (chatsvc.remote_engine): stats()["workers"].
+_WORKER_GAUGES = {
+    "kv_blocks_total": "Device KV cache blocks of the worker",
+    "kv_blocks_free": "Device KV blocks no sequence holds on the worker (includes cached)",
+    "requests_running": "Requests running on the worker",
+    "requests_waiting": "Requests waiting on the worker",
+    "requests_swapped": "Requests swapped out to CPU on the worker",
+}
+
+
+def _worker_metrics(s: dict[str, Any]) -> Iterator[Metric]:
+    if "route_decisions" in s:
+        routes = CounterMetricFamily("chatsvc_route_decisions", "Requests placed on a worker, by why",
+                                     labels=["reason"])
+        for reason, n in s["route_decisions"].items():
+            routes.add_metric([reason], float(n))
+        yield routes
+    if "hop_entries" in s:
+        yield CounterMetricFamily("chatsvc_worker_hop_seconds", "Worker write to gateway read of output "
+                                  "entries (one per request per engine step), summed", value=float(s["hop_seconds"]))
+        yield CounterMetricFamily("chatsvc_worker_hop_entries", "Output entries read from workers",
+                                  value=float(s["hop_entries"]))
+    workers: dict[str, dict[str, Any]] = s.get("workers") or {}
+    if not workers:
+        return
+    for name, doc in _WORKER_GAUGES.items():
+        g = GaugeMetricFamily(f"chatsvc_worker_{name}", doc, labels=["worker"])
+        for wid, ws in workers.items():
+            g.add_metric([wid], float(ws.get(name, 0)))
+        yield g
+    hits = CounterMetricFamily("chatsvc_worker_prefix_cache_hit_tokens", "Prompt tokens served from the worker's "
+                               "prefix cache", labels=["worker"])
+    for wid, ws in workers.items():
+        hits.add_metric([wid], float(ws.get("prefix_cache_hit_tokens", 0)))
+    yield hits
 
 
 class Metrics:

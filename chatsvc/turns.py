@@ -185,7 +185,8 @@ class TurnRegistry:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona, truncated_turns=truncated,
                         owner=meta.owner)
-        gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s)
+        gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s,
+                         session_id=meta.id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.active[meta.id] = at
         at.task = asyncio.create_task(self._run(at, gen, admitted), name=f"turn-{at.request_id}")

@@ -167,6 +167,8 @@ class AsyncEngine(EngineClient):
         sampling_params: SamplingParams,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        *,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Submit a request; its deltas stream from the returned iterator.
 

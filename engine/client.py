@@ -181,8 +181,13 @@ class EngineClient(Protocol):
         sampling_params: SamplingParams,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        *,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Submit a request; its deltas stream from the returned iterator.
+
+        ``session_id``: the chat session the request is a turn of, if any; an engine spread over several
+        workers routes a session's turns to the worker that holds its cached blocks (others ignore it).
 
         Raises ValueError (bad request), QueueFullError or EngineDeadError here, before anything is
         queued. Closing the iterator early aborts the request and frees its blocks.

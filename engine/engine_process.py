@@ -685,6 +685,8 @@ class ProcessEngine(EngineClient):
         sampling_params: SamplingParams,
         prompt: str | None = None,
         prompt_token_ids: list[int] | None = None,
+        *,
+        session_id: str | None = None,
     ) -> AsyncGenerator[RequestDelta, None]:
         """As ``EngineClient.generate``; ``aclose()`` on the stream aborts the request."""
         if not self.is_running:

@@ -77,7 +77,8 @@ class FakeEngine(EngineClient):
 
     # -- requests ----------------------------------------------------------------------------------
     def generate(self, request_id: str, sampling_params: SamplingParams, prompt: str | None = None,
-                 prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestDelta]:
+                 prompt_token_ids: list[int] | None = None, *,
+                 session_id: str | None = None) -> AsyncIterator[RequestDelta]:
         if not self._running:
             raise EngineDeadError("the fake engine is not running")
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenizer.encode(prompt or "")

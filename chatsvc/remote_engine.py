@@ -1,0 +1,471 @@
+"""``RemoteEngine``: the ``EngineClient`` of a gateway without a model (``chatsvc serve --engine redis``).
+
+Requests go to engine workers (``chatsvc.worker``) over Redis Streams; keys and message formats are in
+``engine.streams``. The gateway keeps the tokenizer (it renders chats and counts tokens) and no model.
+
+Worker view. A monitor task reads every worker's beat each ``poll_s`` seconds: load, pinned prefixes,
+limits. A registered worker without a beat is dead: the monitor deletes its keys (any gateway may; it is
+idempotent), and every stream this gateway reads from it fails over.
+
+Placement (``chatsvc.router.Router``): the session's last worker (``route:session:{sid}`` in Redis, so any
+gateway finds it), else a worker that has the request's persona pinned, else the least loaded, all under a
+load bound. A request whose prompt starts with a pinned prefix (``pin_prefix``: personas) names it in its
+``Generate``; the worker pins it the first time it serves it. No worker alive: the request waits up to
+``wait_for_worker_s`` for one, then ``EngineDeadError`` (the gateway's 503 with Retry-After).
+
+Failover. A stream whose worker dies (its beat lapses) or leaves before starting it (``WorkerGone``) is
+dispatched again, to another worker, with the prompt plus the tokens already streamed and the rest of
+``max_tokens`` (and of ``min_tokens``). The new worker recomputes those tokens' KV as a prompt (the path a
+recompute preemption takes) and continues; deltas keep counting prompt and completion tokens of the
+original request, so the caller sees one stream with no token twice and none missing. Greedy sampling
+gives the same reply as an uninterrupted run. The new worker decodes only its own tokens, so after a
+failover the gateway re-derives each delta's text with one detokenizer over all the reply's tokens (a
+character split over the failover point is whole, a stop string straddling it ends the stream). Not exact
+across a failover, and documented as such: a seeded sampled stream restarts its generator (from the seed,
+not from its position) and output-token penalties (presence, frequency) no longer see the tokens before the
+failover. A request of ``n > 1`` fails with ``EngineDeadError`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from chatsvc.router import Router
+from engine.client import EngineClient, EngineDeadError
+from engine.detokenizer import IncrementalDetokenizer
+from engine.request import SamplingParams
+from engine.scheduler import QueueFullError
+from engine.streams import (
+    KV_WINDOW_S,
+    Abort,
+    Beat,
+    Deltas,
+    Error,
+    Generate,
+    Keys,
+    Pin,
+    Unpin,
+    WantKV,
+    decode,
+    encode,
+    raise_if_cancelled,
+)
+
+if TYPE_CHECKING:
+    from engine.engine import RequestDelta
+    from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("chatsvc.remote")
+
+__all__ = ["RemoteEngine", "WorkerLost"]
+
+POLL_S = 0.25
+WAIT_FOR_WORKER_S = 10.0
+ROUTE_TTL_S = 24 * 3600
+PIN_TIMEOUT_S = 300.0
+_SUM_STATS = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "cpu_blocks_total", "cpu_blocks_free",
+              "requests_running", "requests_waiting", "requests_swapped", "prefix_cache_queried_tokens",
+              "prefix_cache_hit_tokens", "preemptions_swap", "preemptions_recompute")
+_WORKER_STATS = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "requests_running", "requests_waiting",
+                 "requests_swapped", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
+_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "QueueFullError": QueueFullError,
+                                       "EngineDeadError": EngineDeadError}
+
+
+class WorkerLost(Exception):
+    """The worker of a dispatch died, or left without running it: dispatch it again elsewhere."""
+
+
+class RemoteEngine(EngineClient):
+    def __init__(self, redis: Any, tokenizer: Tokenizer, model_name: str, *, max_model_len: int = 2048,
+                 keys: Keys | None = None, router: Router | None = None, session_ttl_s: int = 7 * 24 * 3600,
+                 poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S) -> None:
+        self.r = redis
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len  # until a worker says what it serves
+        self.keys = keys or Keys()
+        self.router = router or Router()
+        self.session_ttl_s = session_ttl_s
+        self.poll_s = poll_s
+        self.wait_for_worker_s = wait_for_worker_s
+        self.workers: dict[str, Beat] = {}  # the live workers' last beats
+        self.failovers = 0
+        self.hop_seconds = 0.0  # worker write -> gateway read, summed over output entries (one per step)
+        self.hop_entries = 0
+        self._pins: dict[str, list[int]] = {}  # pin key -> prefix token ids (the Redis hash, refreshed)
+        self._pending: Counter[str] = Counter()  # this gateway's open dispatches per worker
+        self._pinning: dict[str, set[str]] = {}  # pins this gateway's requests asked of each worker
+        self._kv: dict[str, dict[str, Any]] = {}
+        self._kv_asked = 0.0
+        self._monitor: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._unpinning: dict[str, asyncio.Task[Any]] = {}
+        self._started = False
+        self._stopping = False
+
+    @classmethod
+    def from_url(cls, url: str, model: str | None = None, **kwargs: Any) -> RemoteEngine:
+        """A gateway's client: the model's tokenizer (no weights are read) and a Redis connection pool."""
+        import redis.asyncio as aioredis
+
+        from engine.loader import load_tokenizer, resolve_model_path
+
+        tokenizer, config = load_tokenizer(model)
+        tokenizer.eos_token_ids = config.eos_token_ids
+        name = config.name or Path(resolve_model_path(model)).stem
+        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2,
+                                         health_check_interval=15)
+        kwargs.setdefault("max_model_len", config.max_position_embeddings)
+        return cls(client, tokenizer, name, **kwargs)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        with contextlib.suppress(Exception):
+            await self.refresh()
+        self._monitor = asyncio.create_task(self._watch(), name="remote-engine-monitor")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._started = False
+        for task in [self._monitor, *self._tasks]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*[t for t in [self._monitor, *self._tasks] if t is not None], return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.r.aclose()
+
+    @property
+    def is_running(self) -> bool:
+        return self._started and any(not w.draining for w in self.workers.values())
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            raise_if_cancelled()
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - Redis away: keep the last view, try again
+                log.warning("could not read the workers' beats: %r", exc)
+
+    async def refresh(self) -> None:
+        """Read every worker's beat; bury the workers whose beat lapsed."""
+        k = self.keys
+        ids: list[str] = await self.r.zrange(k.workers, 0, -1)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.mget([k.beat(i) for i in ids] or [k.beat("")])
+        pipe.hgetall(k.pins)
+        if time.monotonic() - self._kv_asked < KV_WINDOW_S:
+            pipe.mget([k.kv(i) for i in ids] or [k.kv("")])
+        results = await pipe.execute()
+        beats, pins = results[0], results[1]
+        live: dict[str, Beat] = {}
+        for wid, raw in zip(ids, beats, strict=False):
+            if raw is None:
+                await self._bury(wid)
+            else:
+                live[wid] = Beat.from_json(raw)
+        self.workers = live
+        self._pins = {key: json.loads(ids_json) for key, ids_json in pins.items()}
+        if len(results) > 2:
+            self._kv = {wid: json.loads(raw) for wid, raw in zip(ids, results[2], strict=False) if raw}
+        if live:
+            self.max_model_len = min(b.max_model_len for b in live.values())
+            self.model_name = next(iter(live.values())).model_name
+        for wid in list(self._pinning):
+            if wid not in live:
+                del self._pinning[wid]
+
+    async def _bury(self, wid: str) -> None:
+        log.warning("engine worker %s stopped beating: removing it", wid)
+        k = self.keys
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zrem(k.workers, wid)
+        pipe.delete(k.requests(wid), k.control(wid), k.kv(wid))
+        await pipe.execute()
+
+    # -- requests ---------------------------------------------------------------------------------
+    def generate(
+        self,
+        request_id: str,
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        *,
+        session_id: str | None = None,
+    ) -> AsyncGenerator[RequestDelta, None]:
+        if not self._started:
+            raise EngineDeadError("the gateway's engine client is not started")
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        sampling_params.validate()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("prompt or prompt_token_ids is required")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
+        return self._stream(request_id, sampling_params, ids, session_id)
+
+    async def _stream(self, request_id: str, params: SamplingParams, prompt_ids: list[int],
+                      session_id: str | None) -> AsyncGenerator[RequestDelta, None]:
+        pin = self._pin_of(prompt_ids)
+        streamed: list[int] = []  # token ids already passed on (n == 1)
+        where: tuple[str, str] | None = None  # (worker, dispatch) of the live dispatch
+        finished = False
+        failover = False
+        detok: IncrementalDetokenizer | None = None  # after a failover: the text as one worker would have made it
+        try:
+            while True:
+                worker = await self._place(session_id, pin, failover)
+                base = len(streamed)
+                where = (worker.worker, secrets.token_hex(8))
+                msg = Generate(request_id, where[1], self._rest(params, base), prompt_ids + streamed, pin)
+                await self._send(worker.worker, msg, session_id)
+                try:
+                    async for delta in self._read(*where):
+                        if base:
+                            delta.completion_tokens += base
+                            delta.cached_tokens = min(delta.cached_tokens, len(prompt_ids))
+                        delta.prompt_tokens = len(prompt_ids)
+                        cut = detok is not None and self._retext(detok, delta)
+                        if params.n == 1:
+                            streamed.extend(delta.token_ids)
+                        yield delta
+                        if delta.request_finished:
+                            finished = not cut  # a stream cut here still runs on its worker
+                            return
+                    raise WorkerLost("the output stream ended without the request's end")
+                except WorkerLost as exc:
+                    self._pending[worker.worker] -= 1
+                    await self._end(request_id, where, aborted=False)  # its worker is gone: nothing to abort
+                    where = None
+                    if params.n != 1:
+                        raise EngineDeadError(f"engine worker {worker.worker} was lost: {exc}") from None
+                    self.failovers += 1
+                    log.warning("request %s lost its worker %s (%s) after %d tokens; dispatching it again",
+                                request_id, worker.worker, exc, len(streamed))
+                    failover = True
+                    if detok is None:
+                        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params,
+                                                       eos_token_ids=self.tokenizer.eos_token_ids)
+                        detok.step(streamed)  # what was sent so far: the same state the first worker had
+        finally:
+            if where is not None:
+                self._pending[where[0]] -= 1
+                await self._end(request_id, where, aborted=not finished)
+
+    @staticmethod
+    def _retext(detok: IncrementalDetokenizer, delta: RequestDelta) -> bool:
+        """A failed-over delta's text as the first worker's detokenizer would have made it: the new worker
+        decodes only its own tokens, so it would drop a character split over the failover point and miss a
+        stop string that straddles it. True: the stream ends here (such a stop string), not on the worker."""
+        step = detok.step(delta.token_ids)
+        delta.text = step.text_delta
+        if step.stop_str is not None:
+            cut = not delta.finished
+            delta.finished = delta.request_finished = True
+            delta.finish_reason, delta.stop_reason = "stop", step.stop_str
+            return cut
+        if delta.finished and not step.stopped:
+            delta.text += detok.flush()
+        return False
+
+    @staticmethod
+    def _rest(params: SamplingParams, done: int) -> SamplingParams:
+        """The parameters of what is left after ``done`` tokens were streamed."""
+        if not done:
+            return params
+        max_tokens = None if params.max_tokens is None else max(1, params.max_tokens - done)
+        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done))
+
+    def _pin_of(self, prompt_ids: list[int]) -> str | None:
+        """The longest pinned prefix the prompt starts with (a persona's system prompt)."""
+        best: tuple[int, str] | None = None
+        for key, ids in self._pins.items():
+            if len(ids) <= len(prompt_ids) and prompt_ids[: len(ids)] == ids and (best is None or len(ids) > best[0]):
+                best = (len(ids), key)
+        return best[1] if best else None
+
+    async def _place(self, session_id: str | None, pin: str | None, failover: bool) -> Beat:
+        session_worker = None
+        if session_id is not None and not failover:
+            session_worker = await self.r.get(self.keys.session(session_id))
+        deadline = time.monotonic() + self.wait_for_worker_s
+        while True:
+            raise_if_cancelled()
+            worker = self.router.choose(list(self.workers.values()), pending=self._pending, pinning=self._pinning,
+                                        session_worker=session_worker, pin=pin, failover=failover)
+            if worker is not None:
+                if pin is not None and pin not in worker.pins:
+                    self._pinning.setdefault(worker.worker, set()).add(pin)
+                self._pending[worker.worker] += 1
+                return worker
+            if time.monotonic() >= deadline or self._stopping:
+                raise EngineDeadError("no engine worker is alive")
+            await asyncio.sleep(self.poll_s)
+
+    async def _send(self, worker: str, msg: Generate, session_id: str | None) -> None:
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(k.request(msg.request_id), json.dumps({"worker": worker, "dispatch": msg.dispatch}), ex=ROUTE_TTL_S)
+        if session_id is not None:
+            pipe.set(k.session(session_id), worker, ex=self.session_ttl_s)
+        pipe.xadd(k.requests(worker), encode(msg))
+        await pipe.execute()
+
+    async def _read(self, worker: str, dispatch: str) -> AsyncGenerator[RequestDelta, None]:
+        """The dispatch's deltas until its last; WorkerLost when the worker dies or leaves first."""
+        key, last = self.keys.out(dispatch), "0-0"
+        block_ms = max(1, int(self.poll_s * 1000))
+        while True:
+            raise_if_cancelled()
+            resp = await self.r.xread({key: last}, count=256, block=block_ms)
+            if not resp and worker not in self.workers:
+                raise WorkerLost(f"worker {worker} stopped beating")
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    msg = decode(fields)
+                    if isinstance(msg, Error):
+                        if msg.kind == "WorkerGone":
+                            raise WorkerLost(msg.message)
+                        raise _ERRORS.get(msg.kind, RuntimeError)(msg.message)
+                    if isinstance(msg, Deltas):
+                        if msg.sent:
+                            self.hop_seconds += max(0.0, time.time() - msg.sent)
+                            self.hop_entries += 1
+                        for delta in msg.deltas:
+                            yield delta
+
+    async def _end(self, request_id: str, where: tuple[str, str], aborted: bool) -> None:
+        """Forget a dispatch; one that did not finish is aborted on its worker (frees its blocks)."""
+        k = self.keys
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            if aborted:
+                pipe.xadd(k.control(where[0]), encode(Abort(request_id)))
+            pipe.delete(k.request(request_id), k.out(where[1]))
+            await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - the stream is over either way; its keys expire
+            log.warning("could not clean up request %s: %r", request_id, exc)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request wherever it runs (this gateway's or another's)."""
+        raw = await self.r.get(self.keys.request(request_id))
+        if raw is not None:
+            await self.r.xadd(self.keys.control(json.loads(raw)["worker"]), encode(Abort(request_id)))
+
+    # -- prefixes ---------------------------------------------------------------------------------
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+        """Register a prefix; each worker pins it when it first serves a request that starts with it.
+
+        Returns the tokens a worker pins: the prefix's full blocks."""
+        ids = [int(t) for t in prompt_token_ids]
+        unpinning = self._unpinning.get(key)
+        if unpinning is not None:  # a re-pin (a persona changed) must land after the unpin before it
+            await asyncio.gather(unpinning, return_exceptions=True)
+        await self.r.hset(self.keys.pins, key, json.dumps(ids))
+        self._pins[key] = ids
+        return len(ids) // self._block_size() * self._block_size()
+
+    async def pin_on(self, worker: str, key: str, prompt_token_ids: list[int]) -> int:
+        """Pin a prefix on one worker now and wait for it (tools and tests; serving pins lazily)."""
+        call = secrets.token_hex(8)
+        await self.r.xadd(self.keys.control(worker), encode(Pin(key, list(prompt_token_ids), call)))
+        got = await self.r.blpop([self.keys.reply(call)], timeout=PIN_TIMEOUT_S)
+        if got is None:
+            raise EngineDeadError(f"worker {worker} did not answer the pin")
+        answer = json.loads(got[1])
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return int(answer["pinned"])
+
+    def unpin_prefix(self, key: str) -> None:
+        self._pins.pop(key, None)
+        workers = list(self.workers)
+        for pinning in self._pinning.values():
+            pinning.discard(key)
+
+        async def unpin() -> None:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.hdel(self.keys.pins, key)
+            for wid in workers:
+                pipe.xadd(self.keys.control(wid), encode(Unpin(key)))
+            await pipe.execute()
+
+        task = self._spawn(unpin())
+        self._unpinning[key] = task
+        task.add_done_callback(lambda t: self._unpinning.pop(key, None) if self._unpinning.get(key) is t else None)
+
+    def _block_size(self) -> int:
+        return next((b.block_size for b in self.workers.values()), 16)
+
+    # -- numbers ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The workers' counters summed, plus each worker's own (``workers``) and the routing decisions."""
+        beats = list(self.workers.values())
+        total: dict[str, Any] = {name: sum(int(b.stats.get(name, 0)) for b in beats) for name in _SUM_STATS}
+        ages = [float(b.stats.get("last_step_age_s", 0.0)) for b in beats]
+        total.update({
+            "engine_state": "running" if self.is_running else "no workers",
+            "last_step_age_s": max(ages, default=0.0),
+            "workers": {b.worker: {**{n: b.stats.get(n, 0) for n in _WORKER_STATS}, "pins": b.pins,
+                                   "draining": b.draining} for b in beats},
+            "route_decisions": dict(self.router.decisions),
+            "failovers": self.failovers,
+            "hop_seconds": self.hop_seconds,
+            "hop_entries": self.hop_entries,
+        })
+        return total
+
+    def kv_snapshot(self) -> dict[str, Any]:
+        """The workers' block pools side by side: block ids are offset by each pool's start (``pools``)."""
+        now = time.monotonic()
+        if self._started and now - self._kv_asked > KV_WINDOW_S / 2:
+            self._kv_asked = now
+            workers = list(self.workers)
+
+            async def ask() -> None:
+                pipe = self.r.pipeline(transaction=False)
+                for wid in workers:
+                    pipe.xadd(self.keys.control(wid), encode(WantKV()))
+                await pipe.execute()
+
+            self._spawn(ask())
+        merged: dict[str, Any] = {"block_size": self._block_size(), "num_blocks": 0, "state": [], "refcounts": [],
+                                  "cpu_used": 0, "requests": {}, "pins": {}, "pools": []}
+        for wid in sorted(self._kv):
+            snap, offset = self._kv[wid], merged["num_blocks"]
+            merged["pools"].append({"worker": wid, "offset": offset, "num_blocks": snap.get("num_blocks", 0)})
+            merged["num_blocks"] += int(snap.get("num_blocks", 0))
+            merged["state"] += snap.get("state", [])
+            merged["refcounts"] += snap.get("refcounts", [])
+            merged["cpu_used"] += int(snap.get("cpu_used", 0))
+            for rid, blocks in (snap.get("requests") or {}).items():
+                merged["requests"][rid] = [offset + b for b in blocks]
+            for key, blocks in (snap.get("pins") or {}).items():
+                merged["pins"].setdefault(key, []).extend(offset + b for b in blocks)
+        return merged
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task

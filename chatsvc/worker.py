@@ -1,0 +1,386 @@
+"""``chatsvc worker``: one engine taking work from Redis Streams (formats and keys: ``engine.streams``).
+
+Four tasks share the worker's event loop:
+
+* requests: XREADGROUP on its own request stream; each ``Generate`` becomes ``engine.generate`` and a task
+  that hands the request's deltas to the writer; when the request ends its entry is XACKed and deleted.
+* control: XREAD on its control stream: ``Abort`` (``engine.abort``), ``Pin``/``Unpin`` (``pin_prefix``,
+  ``unpin_prefix``), ``WantKV``.
+* writer: every delta handed in since its last write goes out in ONE pipelined round trip, one stream
+  entry per request; the deltas of one engine step reach the relays together, so a step costs one hop.
+* heartbeat: every ``ttl/4`` seconds the ``Beat`` (load: free blocks, running/waiting/swapped, pinned
+  keys) is written with a time to live ``ttl``; its lapse tells gateways the worker died, and they
+  re-dispatch its requests elsewhere.
+
+A prefix named in a ``Generate`` (``pin``: the persona whose system prompt the request starts with) is
+pinned once, the first time this worker serves it; the beat lists it, and the router then prefers this
+worker for that persona's new sessions.
+
+Fencing: a worker whose beat lapsed (stalled, not dead) may already have been declared dead and its
+requests re-dispatched; when a beat finds it no longer registered it aborts what it runs and exits with
+status 1, so no request is ever run on two workers for long, nor answered twice.
+
+SIGTERM (``stop``) drains: the beat says ``draining`` (routers stop choosing the worker), no new entry is
+read, entries already queued are answered ``WorkerGone`` (the gateway re-dispatches them), the requests
+running finish, then the worker deregisters and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+from redis.exceptions import RedisError, ResponseError
+
+from engine.client import EngineClient
+from engine.streams import (
+    GROUP,
+    KV_WINDOW_S,
+    Abort,
+    Beat,
+    Deltas,
+    Error,
+    Generate,
+    Keys,
+    Message,
+    Pin,
+    ProtocolError,
+    Unpin,
+    WantKV,
+    decode,
+    encode,
+    raise_if_cancelled,
+)
+
+log = logging.getLogger("chatsvc.worker")
+
+DEFAULT_TTL_S = 3.0
+OUT_TTL_S = 300  # an output stream outlives its request this long (a gateway may be slow to read it)
+REPLY_TTL_S = 60
+DRAIN_TIMEOUT_S = 600.0
+READ_BLOCK_MS = 1000
+ERROR_KINDS = ("ValueError", "QueueFullError", "EngineDeadError")
+
+
+def worker_id(name: str | None = None) -> str:
+    """Unique per process: a restarted worker is a new worker, never mistaken for its dead predecessor."""
+    return f"{name or socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
+def error_kind(exc: BaseException) -> str:
+    name = type(exc).__name__
+    return name if name in ERROR_KINDS else "RuntimeError"
+
+
+class OutWriter:
+    """Writes the messages handed in since the last write in one pipelined round trip, in order."""
+
+    def __init__(self, redis: Any, ttl_s: int = OUT_TTL_S) -> None:
+        self.r = redis
+        self.ttl_s = ttl_s
+        self._pending: dict[str, list[Message]] = {}
+        self._wake = asyncio.Event()
+        self._added = 0
+        self._written = 0
+        self._done = asyncio.Condition()
+
+    def deltas(self, key: str, msg: Deltas) -> None:
+        queued = self._pending.setdefault(key, [])
+        if queued and isinstance(queued[-1], Deltas):  # the writer fell behind: one entry still
+            queued[-1] = Deltas([*queued[-1].deltas, *msg.deltas])
+        else:
+            queued.append(msg)
+        self._added += 1
+        self._wake.set()
+
+    def error(self, key: str, msg: Error) -> None:
+        self._pending.setdefault(key, []).append(msg)
+        self._added += 1
+        self._wake.set()
+
+    async def flushed(self) -> None:
+        """Until everything handed in so far is written (or given up on)."""
+        target = self._added
+        async with self._done:
+            await self._done.wait_for(lambda: self._written >= target)
+
+    async def run(self) -> None:
+        while True:
+            raise_if_cancelled()
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(0)  # the other relays of this engine step hand theirs in meanwhile
+            batch, self._pending, mark = self._pending, {}, self._added
+            if batch:
+                await self._write(batch)
+            async with self._done:
+                self._written = mark
+                self._done.notify_all()
+
+    async def _write(self, batch: dict[str, list[Message]]) -> None:
+        for attempt in range(5):
+            pipe = self.r.pipeline(transaction=False)
+            now = time.time()
+            for key, msgs in batch.items():
+                for msg in msgs:
+                    pipe.xadd(key, encode(dataclasses.replace(msg, sent=now) if isinstance(msg, Deltas) else msg))
+                pipe.expire(key, self.ttl_s)
+            try:
+                await pipe.execute()
+                return
+            except RedisError as exc:
+                log.warning("could not write %d output streams (%r); retrying", len(batch), exc)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        log.error("dropped the output of %d requests: Redis unreachable", len(batch))
+
+
+class Worker:
+    def __init__(self, engine: EngineClient, redis: Any, worker: str | None = None, *, keys: Keys | None = None,
+                 ttl_s: float = DEFAULT_TTL_S, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        self.engine = engine
+        self.r = redis
+        self.id = worker or worker_id()
+        self.keys = keys or Keys()
+        self.ttl_s = ttl_s
+        self.drain_timeout_s = drain_timeout_s
+        self.writer = OutWriter(redis)
+        self.pins: set[str] = set()
+        self._pinning: set[str] = set()
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()  # pins and control calls in flight
+        self._kv_until = 0.0
+        self._registered = False
+        self.draining = False
+        self.fenced = False
+        self.block_size = 16
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> int:
+        """Serve until ``stop`` is set (then drain) or the worker is fenced; the process's exit status."""
+        await self.engine.start()
+        self.block_size = int(self.engine.kv_snapshot().get("block_size") or self.block_size)
+        with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists (never, for a fresh id)
+            await self.r.xgroup_create(self.keys.requests(self.id), GROUP, id="0", mkstream=True)
+        await self._beat()
+        log.info("worker %s serving %s (beat every %.2fs, ttl %.1fs)", self.id, self.engine.model_name,
+                 self.ttl_s / 4, self.ttl_s)
+        fenced = asyncio.Event()
+        reader = asyncio.create_task(self._read_requests(), name="worker-requests")
+        loops = [asyncio.create_task(c, name=n) for c, n in (
+            (self._read_control(), "worker-control"), (self.writer.run(), "worker-writer"),
+            (self._heartbeat(fenced), "worker-heartbeat"))]
+        waiter = asyncio.create_task(stop.wait())
+        fence_waiter = asyncio.create_task(fenced.wait())
+        await asyncio.wait([waiter, fence_waiter, reader], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        fence_waiter.cancel()
+        reader.cancel()
+        if self.fenced:
+            serving = list(self._running.values())
+            for request_id in list(self._running):
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(request_id)
+            if serving:  # their abort deltas go out before the writer stops
+                await asyncio.wait(serving, timeout=10.0)
+        else:
+            await self._drain()
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(reader, *loops, return_exceptions=True)
+        await self._deregister()
+        await self.engine.stop()
+        return 1 if self.fenced else 0
+
+    async def _drain(self) -> None:
+        self.draining = True
+        with contextlib.suppress(RedisError):
+            await self._beat()
+        log.info("worker %s draining: %d requests running", self.id, len(self._running))
+        # Entries queued before routers saw the draining beat are answered, so their gateways go elsewhere.
+        with contextlib.suppress(RedisError):
+            resp = await self.r.xreadgroup(GROUP, self.id, {self.keys.requests(self.id): ">"}, count=1000)
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    with contextlib.suppress(ProtocolError, KeyError, ValueError):
+                        msg = decode(fields)
+                        if isinstance(msg, Generate):
+                            self.writer.error(self.keys.out(msg.dispatch), Error("WorkerGone", "the worker is leaving"))
+                    await self._ack(entry_id)
+        if self._running:
+            await asyncio.wait(list(self._running.values()), timeout=self.drain_timeout_s)
+        await self.writer.flushed()
+
+    async def _deregister(self) -> None:
+        with contextlib.suppress(RedisError):
+            k = self.keys
+            pipe = self.r.pipeline(transaction=True)
+            pipe.zrem(k.workers, self.id)
+            pipe.delete(k.beat(self.id), k.requests(self.id), k.control(self.id), k.kv(self.id))
+            await pipe.execute()
+
+    # -- heartbeat --------------------------------------------------------------------------------
+    def beat(self) -> Beat:
+        return Beat(worker=self.id, pid=os.getpid(), host=socket.gethostname(), model_name=self.engine.model_name,
+                    max_model_len=self.engine.max_model_len, block_size=self.block_size, time=time.time(),
+                    draining=self.draining, pins=sorted(self.pins), stats=self.engine.stats())
+
+    async def _beat(self) -> bool:
+        """Write the beat; False when this worker is no longer registered (declared dead meanwhile)."""
+        k = self.keys
+        ttl_ms = max(1, int(self.ttl_s * 1000))
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(k.beat(self.id), self.beat().to_json(), px=ttl_ms)
+        if time.monotonic() < self._kv_until:
+            pipe.set(k.kv(self.id), json.dumps(self.engine.kv_snapshot()), px=ttl_ms)
+        if self._registered:
+            pipe.zscore(k.workers, self.id)
+        else:
+            pipe.zadd(k.workers, {self.id: time.time()})
+        result = await pipe.execute()
+        if not self._registered:
+            self._registered = True
+            return True
+        return result[-1] is not None
+
+    async def _heartbeat(self, fenced: asyncio.Event) -> None:
+        while True:
+            raise_if_cancelled()
+            await asyncio.sleep(self.ttl_s / 4)
+            try:
+                if not await self._beat():
+                    log.error("worker %s was declared dead (its beat lapsed); aborting its requests and exiting",
+                              self.id)
+                    self.fenced = True
+                    fenced.set()
+                    return
+            except RedisError as exc:
+                log.warning("heartbeat failed: %r", exc)
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def _read_requests(self) -> None:
+        key = self.keys.requests(self.id)
+        while True:
+            raise_if_cancelled()
+            try:
+                resp = await self.r.xreadgroup(GROUP, self.id, {key: ">"}, count=64, block=READ_BLOCK_MS)
+            except RedisError as exc:
+                log.warning("reading requests failed: %r", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    self._take(entry_id, fields)
+
+    def _take(self, entry_id: str, fields: dict[str, str]) -> None:
+        try:
+            msg = decode(fields)
+            if not isinstance(msg, Generate):
+                raise ProtocolError(f"{msg.TYPE} on a request stream")
+        except (ProtocolError, KeyError, ValueError, TypeError) as exc:
+            log.error("dropping request entry %s: %s", entry_id, exc)
+            self._spawn(self._ack(entry_id))
+            return
+        task = asyncio.create_task(self._serve(entry_id, msg), name=f"serve-{msg.request_id}")
+        self._running[msg.request_id] = task
+
+    async def _serve(self, entry_id: str, msg: Generate) -> None:
+        out = self.keys.out(msg.dispatch)
+        try:
+            try:
+                stream = self.engine.generate(msg.request_id, msg.params, prompt_token_ids=msg.prompt_token_ids)
+            except Exception as exc:  # noqa: BLE001 - refused: the gateway maps the kind to its answer
+                self.writer.error(out, Error(error_kind(exc), str(exc)))
+                return
+            if msg.pin is not None:
+                self._ensure_pin(msg.pin)
+            try:
+                async for delta in stream:
+                    self.writer.deltas(out, Deltas([delta]))
+            except Exception as exc:  # noqa: BLE001 - the request failed; the worker serves on
+                self.writer.error(out, Error(error_kind(exc), str(exc)))
+        finally:
+            self._running.pop(msg.request_id, None)
+            await self.writer.flushed()
+            await self._ack(entry_id)
+
+    async def _ack(self, entry_id: str) -> None:
+        key = self.keys.requests(self.id)
+        with contextlib.suppress(RedisError):
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xack(key, GROUP, entry_id)
+            pipe.xdel(key, entry_id)
+            await pipe.execute()
+
+    # -- control ----------------------------------------------------------------------------------
+    async def _read_control(self) -> None:
+        key, last = self.keys.control(self.id), "0-0"
+        while True:
+            raise_if_cancelled()
+            try:
+                resp = await self.r.xread({key: last}, count=64, block=READ_BLOCK_MS)
+            except RedisError as exc:
+                log.warning("reading control messages failed: %r", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    try:
+                        self._control(decode(fields))
+                    except (ProtocolError, KeyError, ValueError, TypeError) as exc:
+                        log.error("dropping control entry %s: %s", entry_id, exc)
+
+    def _control(self, msg: Message) -> None:
+        match msg:
+            case Abort():
+                if msg.request_id in self._running:
+                    self._spawn(self.engine.abort(msg.request_id))
+            case Pin():
+                self._spawn(self._pin(msg.key, msg.token_ids, msg.reply))
+            case Unpin():
+                self.pins.discard(msg.key)
+                self.engine.unpin_prefix(msg.key)
+            case WantKV():
+                self._kv_until = time.monotonic() + KV_WINDOW_S
+            case _:
+                raise ProtocolError(f"{msg.TYPE} on a control stream")
+
+    def _ensure_pin(self, key: str) -> None:
+        if key not in self.pins and key not in self._pinning:
+            self._spawn(self._pin(key, None, None))
+
+    async def _pin(self, key: str, token_ids: list[int] | None, reply: str | None) -> None:
+        self._pinning.add(key)
+        answer: dict[str, Any]
+        try:
+            if token_ids is None:
+                raw = await self.r.hget(self.keys.pins, key)
+                if raw is None:
+                    return  # unpinned meanwhile
+                token_ids = [int(t) for t in json.loads(raw)]
+            answer = {"pinned": await self.engine.pin_prefix(key, token_ids)}
+            self.pins.add(key)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, if any
+            log.warning("could not pin %s: %r", key, exc)
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self._pinning.discard(key)
+        if reply is not None:
+            with contextlib.suppress(RedisError):
+                pipe = self.r.pipeline(transaction=False)
+                pipe.rpush(self.keys.reply(reply), json.dumps(answer))
+                pipe.expire(self.keys.reply(reply), REPLY_TTL_S)
+                await pipe.execute()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,246 @@
+"""RemoteEngine (a gateway without a model) with two real ``chatsvc worker`` processes on the tiny model and a
+real Redis: session affinity with prefix-cache hits, persona spread and pins, abort from a second gateway,
+kill -9 failover with an unchanged greedy reply, SIGTERM drain, no worker alive.
+
+The workers live for the whole module (starting them is most of its time); the tests run in file order and
+the last two stop them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from gateway_fixtures import redis_proc  # noqa: F401
+from scaleout_workers import TINY_FLAGS, WorkerProc
+
+from chatsvc.remote_engine import RemoteEngine
+from engine.client import EngineDeadError
+from engine.engine import RequestDelta
+from engine.request import SamplingParams
+from engine.streams import Keys
+
+pytestmark = pytest.mark.integration
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.model.testing import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def workers(redis_proc, tiny: Path) -> Iterator[list[WorkerProc]]:  # noqa: F811
+    redis.Redis.from_url(redis_proc.url).flushdb()
+    procs = [WorkerProc(redis_proc.url, str(tiny), name, *TINY_FLAGS) for name in ("wa", "wb")]
+    try:
+        for p in procs:
+            p.wait_registered()
+        yield procs
+    finally:
+        for p in procs:
+            p.kill9()
+
+
+@pytest.fixture
+async def gateway(redis_proc, tiny: Path, workers: list[WorkerProc]) -> AsyncIterator[RemoteEngine]:  # noqa: F811
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, wait_for_worker_s=2.0)
+    await eng.start()
+    await wait_for(lambda: len(eng.workers) == sum(p.proc.poll() is None for p in workers))
+    yield eng
+    await eng.stop()
+
+
+async def wait_for(cond: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+async def run(eng: RemoteEngine, rid: str, ids: list[int], max_tokens: int,
+              session_id: str | None = None) -> list[RequestDelta]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [d async for d in eng.generate(rid, params, prompt_token_ids=ids, session_id=session_id)]
+
+
+def tokens(deltas: list[RequestDelta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def idle_and_free(w: WorkerProc) -> bool:
+    """No request on the worker and every block free but the persona pin's two (the earlier test's)."""
+    beat = w.beat()
+    assert beat is not None
+    pinned = 2 * len(beat.pins)
+    return beat.stats["requests_running"] == 0 and beat.free_blocks == beat.stats["kv_blocks_total"] - pinned
+
+
+def route(redis_url: str, key: str) -> str | None:
+    value = redis.Redis.from_url(redis_url, decode_responses=True).get(key)
+    return None if value is None else str(value)
+
+
+async def test_a_repin_after_an_unpin_keeps_the_prefix_registered(redis_proc, tiny: Path) -> None:  # noqa: F811
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), keys=Keys("repin:"), wait_for_worker_s=0.5)
+    await eng.start()
+    try:
+        for ids in ([1, 2, 3], [4, 5, 6]):  # a persona edited: unpin its old prefix, pin the new one
+            eng.unpin_prefix("persona:p")
+            assert await eng.pin_prefix("persona:p", ids) == 0  # shorter than a block: nothing to pin
+            await asyncio.sleep(0.05)
+            raw = redis.Redis.from_url(redis_proc.url, decode_responses=True).hget("repin:pins", "persona:p")
+            assert json.loads(raw or "null") == ids  # type: ignore[arg-type]
+        with pytest.raises(EngineDeadError):  # no worker under these keys: refused after the bounded wait
+            await run(eng, "nobody", [1, 2, 3], 2)
+    finally:
+        await eng.stop()
+
+
+async def test_a_request_waits_for_a_worker_that_registers_late(redis_proc, tiny: Path) -> None:  # noqa: F811
+    import redis.asyncio as aioredis
+
+    from chatsvc.worker import Worker
+    from engine.async_engine import AsyncEngine
+
+    keys = Keys("late:")
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), keys=keys, poll_s=0.1, wait_for_worker_s=60)
+    await eng.start()
+    client = aioredis.Redis.from_url(redis_proc.url, decode_responses=True)
+    stop = asyncio.Event()
+    try:
+        waiting = asyncio.create_task(run(eng, "early", [5, 6, 7, 8], 6))
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and not eng.is_running  # no worker yet: the request waits, /ready says 503
+        engine = AsyncEngine.from_args(model=str(tiny), dtype="float32", attention_backend="torch",
+                                       num_kv_blocks=32, max_model_len=512, engine_threads=1)
+        worker = asyncio.create_task(Worker(engine, client, "late-w", keys=keys, ttl_s=2.0).run(stop))
+        got = await asyncio.wait_for(waiting, 60)
+        assert got[-1].completion_tokens == 6 and eng.router.decisions["load"] == 1
+        stop.set()
+        assert await worker == 0
+    finally:
+        stop.set()
+        await eng.stop()
+        await client.aclose()
+
+
+async def test_session_turns_stay_on_their_worker_and_hit_the_prefix_cache(gateway: RemoteEngine,
+                                                                           redis_proc) -> None:  # noqa: F811
+    prompt = [5 + i % 200 for i in range(37)]
+    placed = []
+    for turn in range(3):
+        deltas = await run(gateway, f"s1-{turn}", prompt, 20, session_id="s1")
+        placed.append(route(redis_proc.url, Keys().session("s1")))
+        last = deltas[-1]
+        assert last.request_finished and last.completion_tokens == 20 and last.prompt_tokens == len(prompt)
+        if turn:
+            # Everything before this turn's new message was computed on this worker: its full blocks hit.
+            assert last.cached_tokens >= (len(prompt) - 7 - 1) // BLOCK * BLOCK > 0
+        prompt = prompt + tokens(deltas) + [7, 8, 9, 10, 11, 12, 13]
+    assert placed[0] is not None and placed == [placed[0]] * 3
+    assert gateway.router.decisions["session"] == 2
+
+
+async def test_persona_sessions_spread_over_both_workers_each_pinning_it_once(
+        gateway: RemoteEngine, workers: list[WorkerProc]) -> None:
+    persona = [40 + i for i in range(2 * BLOCK + 5)]
+    assert await gateway.pin_prefix("persona:tutor", persona) == 2 * BLOCK
+    replies = await asyncio.gather(*[run(gateway, f"p-{i}", persona + [200 + i, 201, 202], 24, session_id=f"p{i}")
+                                     for i in range(6)])
+    assert all(r[-1].completion_tokens == 24 for r in replies)
+    await wait_for(lambda: all("persona:tutor" in (w.beat() or w).pins for w in workers))  # type: ignore[union-attr]
+    assert gateway.router.decisions["persona"] >= 2
+    # /v1/kv's picture: both pools side by side, the pin holding the persona's two full blocks on each.
+    # An engine answers with its latest picture and refreshes it on being asked: wait for one with the pins.
+    await wait_for(lambda: len(gateway.kv_snapshot()["pins"].get("persona:tutor", [])) == 4)
+    snap = gateway.kv_snapshot()
+    assert len(snap["pools"]) == 2
+    assert snap["num_blocks"] == len(snap["state"]) == sum(w["num_blocks"] for w in snap["pools"])
+    pinned = snap["pins"]["persona:tutor"]
+    assert len(pinned) == 4 and all(snap["state"][b] == "pinned" for b in pinned)
+    offsets = [w["offset"] for w in snap["pools"]]
+    assert [b >= offsets[1] for b in sorted(pinned)] == [False, False, True, True]
+
+
+async def test_abort_from_a_second_gateway_frees_the_blocks_on_the_worker(
+        gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    other = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1)
+    await other.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+        stream = gateway.generate("long-1", params, prompt_token_ids=list(range(3, 40)))
+        first = await anext(stream)
+        assert not first.request_finished
+        await other.abort("long-1")
+        rest = [d async for d in stream]
+        assert rest[-1].finish_reason == "abort" and rest[-1].completion_tokens < 450
+    finally:
+        await other.stop()
+    await wait_for(lambda: all(idle_and_free(w) for w in workers))
+
+
+async def test_kill_9_mid_reply_fails_over_with_the_uninterrupted_greedy_reply(
+        gateway: RemoteEngine, redis_proc, workers: list[WorkerProc]) -> None:  # noqa: F811
+    prompt = [11 + (i * 7) % 250 for i in range(29)]
+    reference = await run(gateway, "ref", prompt, 400)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    stream = gateway.generate("victim", params, prompt_token_ids=prompt)
+    got = [await anext(stream)]
+    victim = json.loads(route(redis_proc.url, Keys().request("victim")) or "{}")["worker"]
+    dead = next(w for w in workers if w.id == victim)
+    survivor = next(w for w in workers if w.id != victim)
+    os.kill(dead.pid, signal.SIGKILL)
+    got += [d async for d in stream]
+    assert gateway.failovers == 1 and gateway.router.decisions["failover"] == 1
+    assert tokens(got) == tokens(reference)  # no token twice, none missing, same greedy choices
+    assert "".join(d.text for d in got) == "".join(d.text for d in reference)
+    assert got[-1].completion_tokens == 400 and got[-1].prompt_tokens == len(prompt)
+    assert list(gateway.workers) == [survivor.id]
+    await wait_for(lambda: idle_and_free(survivor))
+    dead.proc.wait(10)
+
+
+async def test_sigterm_drains_the_running_request_then_leaves(gateway: RemoteEngine,
+                                                              workers: list[WorkerProc]) -> None:
+    alive = [w for w in workers if w.proc.poll() is None]
+    assert len(alive) == 1
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    stream = gateway.generate("drained", params, prompt_token_ids=list(range(20, 50)))
+    got = [await anext(stream)]
+    alive[0].proc.send_signal(signal.SIGTERM)
+    got += [d async for d in stream]
+    assert got[-1].finish_reason == "length" and len(tokens(got)) == 300 and gateway.failovers == 0
+    assert await asyncio.to_thread(alive[0].proc.wait, 30) == 0
+    assert redis.Redis.from_url(alive[0].url).zcard(Keys().workers) == 0
+    await wait_for(lambda: not gateway.workers)
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError):  # no worker: refused after the bounded wait (the 503)
+        await run(gateway, "orphan", [1, 2, 3], 4)
+    assert 1.5 < time.monotonic() - started < 10
+
+
+
+def test_after_a_failover_a_stop_string_straddling_it_still_ends_the_reply(tiny: Path) -> None:
+    from engine.detokenizer import IncrementalDetokenizer
+    from engine.loader import load_tokenizer
+
+    tok, _ = load_tokenizer(str(tiny))
+    params = SamplingParams(temperature=0.0, max_tokens=50, stop=["xy"])
+    detok = IncrementalDetokenizer(tok, [1, 2], params, eos_token_ids=tok.eos_token_ids)
+    detok.step(tok.encode("ab x"))  # streamed before the failover: "x" held back as a possible stop start
+    # The new worker decodes only its own tokens, so it saw no stop string and ran on.
+    delta = RequestDelta("r", 0, "y!", tok.encode("y!"), False, None, None, 2, 5, 0)
+    assert RemoteEngine._retext(detok, delta) is True  # cut here: the worker is to be aborted
+    assert (delta.finished, delta.request_finished, delta.finish_reason, delta.stop_reason) == (
+        True, True, "stop", "xy")
+    assert delta.text == ""  # nothing of the stop string reaches the client, nor anything after it

@@ -1,0 +1,67 @@
+"""engine.streams: every message survives encode/decode; other versions and foreign entries are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.engine import RequestDelta
+from engine.request import SamplingParams
+from engine.streams import (
+    VERSION,
+    Abort,
+    Beat,
+    Deltas,
+    Error,
+    Generate,
+    Keys,
+    Pin,
+    ProtocolError,
+    Unpin,
+    WantKV,
+    decode,
+    encode,
+)
+
+
+def test_every_message_round_trips() -> None:
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], max_tokens=40, min_tokens=2)
+    delta = RequestDelta("r1", 0, "hé", [5, 6], False, None, [{5: -0.1, 9: -2.5}, {6: -0.3}], 12, 2, 0)
+    msgs = [Generate("r1", "d1", params, [1, 2, 3], "persona:x"), Generate("r2", "d2", SamplingParams(), [4]),
+            Abort("r1"), Pin("persona:x", [1, 2], "call-1"), Unpin("persona:x"), WantKV(),
+            Deltas([delta, RequestDelta("r1", 0, "", [7], True, "length", None, 12, 3, 0, True)], 1764547200.25),
+            Error("QueueFullError", "full")]
+    for msg in msgs:
+        entry = encode(msg)
+        assert set(entry) == {"v", "type", "data"} and entry["v"] == str(VERSION)
+        assert decode(entry) == msg
+    logprobs = decode(encode(msgs[6])).deltas[0].logprobs  # type: ignore[union-attr]
+    assert logprobs is not None and logprobs[0] == {5: -0.1, 9: -2.5}  # token ids stay ints through JSON
+
+
+def test_other_versions_and_foreign_entries_are_refused() -> None:
+    entry = encode(Abort("r1"))
+    with pytest.raises(ProtocolError, match="version"):
+        decode({**entry, "v": str(VERSION + 1)})
+    with pytest.raises(ProtocolError):
+        decode({**entry, "type": "reboot"})
+    with pytest.raises(ProtocolError):
+        decode({"v": str(VERSION), "type": "abort"})
+
+
+def test_a_newer_writer_may_add_fields() -> None:
+    entry = encode(Abort("r1"))
+    entry["data"] = json.dumps({**json.loads(entry["data"]), "reason": "later field"})
+    assert decode(entry) == Abort("r1")
+    beat = Beat(worker="w", pid=1, host="h", model_name="m", max_model_len=512, block_size=16, time=1.0,
+                pins=["p"], stats={"requests_running": 2, "requests_waiting": 1, "kv_blocks_free": 7})
+    text = json.dumps({**json.loads(beat.to_json()), "gpu": "none"})
+    assert Beat.from_json(text) == beat and beat.load == 3 and beat.free_blocks == 7
+
+
+def test_keys_share_one_prefix() -> None:
+    k = Keys("x:")
+    names = [k.workers, k.pins, k.beat("w"), k.requests("w"), k.control("w"), k.kv("w"), k.out("d"), k.session("s"),
+             k.request("r"), k.reply("c")]
+    assert all(n.startswith("x:") for n in names) and len(set(names)) == len(names)
