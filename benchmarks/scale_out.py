@@ -17,7 +17,8 @@ the gateway and Redis take their share. The figures to watch there are the hit r
 
     python benchmarks/scale_out.py --sessions 8 --turns 3 --max-tokens 32 --json benchmarks/results/scale_out.json
 
-The last line printed is one JSON object: {"setups": {name: {...}}, "config": {...}}.
+The last line printed is one JSON object: {"setups": {name: {...}}, "config": {...}, "machine": {cpu, isa, cores,
+commit, ...}, "load": {setup: load averages before/after}}.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -42,6 +42,9 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import machine  # noqa: E402
+
 SETUPS = ("single", "affinity", "random")
 
 
@@ -205,7 +208,13 @@ def main() -> int:
         p.error(f"unknown setups: {sorted(unknown)}")
     log_dir = Path(tempfile.mkdtemp(prefix="scale-out-logs-"))
     print(f"logs in {log_dir}", file=sys.stderr)
-    results = {name: run_setup(name, args, log_dir) for name in names}
+    host = machine.describe()
+    print(f"machine: {host.line()}", file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    loads: dict[str, Any] = {}
+    for name in names:
+        with machine.load_window(name, loads):
+            results[name] = run_setup(name, args, log_dir)
     header = f"{'setup':<10}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'hit rate':>10}{'hop/entry':>11}"
     print(header)
     for name, r in results.items():
@@ -214,8 +223,8 @@ def main() -> int:
 
         print(f"{name:<10}{f(r['output_tok_s'], '9.1f')}{f(r['request_s'], '8.3f')}{f(r['ttft_p50_ms'], '10.0f')}"
               f"{f(r['ttft_p99_ms'], '9.0f')}{f(r['prefix_hit_rate'], '10.3f')}{f(r['hop_ms_per_entry'], '11.2f')}")
-    out = {"setups": results, "config": {**vars(args), "machine": platform.machine(), "cpus": os.cpu_count(),
-                                         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    out = {"setups": results, "config": {**vars(args), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+           "machine": host.as_dict(), "load": loads}
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out))
