@@ -44,8 +44,18 @@ def reference() -> Any:
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", num_kv_blocks=256)
+def llm() -> Iterator[LLM]:
+    # One engine thread, for the reason of _one_thread; the process's setting is restored afterwards.
+    threads = torch.get_num_threads()
+    yield LLM(dtype="float32", num_kv_blocks=256, engine_threads=1)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def four_beams(llm: LLM, prompts: list[list[int]]) -> list[list[list[int]]]:
+    """Each prompt's four beams (length penalty 1, early stopping off) with plenty of blocks."""
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=_params(4, 1.0, False))
+    return [[o.token_ids for o in out.outputs] for out in outs]
 
 
 @pytest.fixture(scope="module")
@@ -119,11 +129,11 @@ def test_beams_match_transformers(llm: LLM, reference: Any, prompts: list[list[i
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_n_best_of_k_are_the_first_n_beams(llm: LLM, prompts: list[list[int]]) -> None:
-    every = llm.generate(prompt_token_ids=prompts[:1], sampling_params=_params(4, 1.0, False))[0]
+def test_n_best_of_k_are_the_first_n_beams(llm: LLM, prompts: list[list[int]],
+                                          four_beams: list[list[list[int]]]) -> None:
     two = llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(
         use_beam_search=True, best_of=4, n=2, max_tokens=MAX_TOKENS))[0]
-    assert [o.token_ids for o in two.outputs] == [o.token_ids for o in every.outputs[:2]]
+    assert [o.token_ids for o in two.outputs] == four_beams[0][:2]
 
 
 def test_beams_share_prefix_blocks_and_copy_only_the_last(llm: LLM, prompts: list[list[int]]) -> None:
@@ -170,15 +180,12 @@ def test_beams_share_prefix_blocks_and_copy_only_the_last(llm: LLM, prompts: lis
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preemption_keeps_the_beams(mode: str, llm: LLM, prompts: list[list[int]]) -> None:
-    params = _params(4, 1.0, False)
-    roomy = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+def test_preemption_keeps_the_beams(mode: str, prompts: list[list[int]], four_beams: list[list[list[int]]]) -> None:
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     tiny = LLM(dtype="float32", num_kv_blocks=4 * -(-longest // 16) + 2, max_model_len=longest + 16,
-               preemption_mode=mode, max_num_batched_tokens=64)
-    outs = tiny.generate(prompt_token_ids=prompts, sampling_params=params)
+               preemption_mode=mode, max_num_batched_tokens=64, engine_threads=1)
+    outs = tiny.generate(prompt_token_ids=prompts, sampling_params=_params(4, 1.0, False))
     stats = tiny.stats()
     assert stats[f"preemptions_{mode}"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    for want, got in zip(roomy, outs, strict=True):
-        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert [[o.token_ids for o in out.outputs] for out in outs] == four_beams
