@@ -160,3 +160,39 @@ def test_same_beams_as_transformers(tiny: Any, prompt: list[int], width: int, le
     for row in out[:, len(prompt):].tolist():
         want.append(row[: row.index(EOS) + 1] if EOS in row else row)
     assert _search(tiny, prompt, width, length_penalty, early_stopping) == want
+
+
+# -- the request's parameters -----------------------------------------------------------------------
+
+
+def test_beam_search_parameters() -> None:
+    from engine.request import SamplingParams, SequenceGroup
+
+    params = SamplingParams(use_beam_search=True, best_of=4, n=2, length_penalty=0.5, early_stopping="never")
+    assert params.beam_width == 4 and params.max_seqs == 4 and params.greedy
+    group = SequenceGroup("r", [1, 2, 3], params)
+    assert group.beam is not None and group.beam.width == 4 and not group.needs_fork
+    assert SamplingParams(use_beam_search=True, n=3).beam_width == 3
+    assert SamplingParams(n=3).max_seqs == 3 and SequenceGroup("s", [1], SamplingParams(n=3)).beam is None
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"use_beam_search": True},  # one beam: that is greedy decoding
+    {"use_beam_search": True, "best_of": 2, "n": 3},
+    {"use_beam_search": True, "best_of": 2, "top_p": 0.9},
+    {"use_beam_search": True, "best_of": 2, "top_k": 5},
+    {"use_beam_search": True, "best_of": 2, "min_p": 0.1},
+    {"use_beam_search": True, "best_of": 2, "seed": 1},
+    {"use_beam_search": True, "best_of": 2, "logprobs": 1},
+    {"use_beam_search": True, "best_of": 2, "stop": ["x"]},
+    {"use_beam_search": True, "best_of": 2, "early_stopping": "sometimes"},
+    {"use_beam_search": True, "best_of": 2, "length_penalty": float("nan")},
+    {"best_of": 3},  # without beam search every sample drawn is returned
+    {"length_penalty": 2.0},
+    {"early_stopping": True},
+])
+def test_refused_parameters(kwargs: dict[str, Any]) -> None:
+    from engine.request import SamplingParams
+
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
