@@ -15,8 +15,14 @@ auto / best. The paper (OPT-13B on an A100, swapping over PCIe) finds swapping c
 small transfers) and recompute constant in the block size, the two comparable at block sizes 16-64; on a CPU
 the "device" pool is host memory too, so a swap is a memory copy and the balance differs: see the record.
 
+End to end (``--end-to-end``): auto against both fixed modes on the real engine under a KV pool too small for
+the batch, on two workloads meant to favour one fixed mode each: long prompts with ample swap space (a swap
+keeps a long prefill's work) and short prompts with swap space for about one request (swapping stalls
+admission while a group waits in the CPU pool, and "swap" falls back to recompute when the pool is full).
+Reported: output tokens per second of each mode over the best fixed mode's (a ratio), and the preemptions.
+
 Usage: python benchmarks/paper/swap_recompute.py [--block-sizes 1,2,4,8,16,32,64,128,256] [--context 1024]
-           [--contexts 128,256,512,1024,1920] [--repeats 3] [--output docs/paper/swap_recompute.txt]
+           [--contexts 128,256,512,1024,1920] [--repeats 3] [--end-to-end] [--output docs/paper/swap_recompute.txt]
 Writes the record (machine line, command, one row per case, JSON last line) and a PNG next to it.
 """
 
@@ -103,6 +109,54 @@ def case(engine: Any, block_size: int, context: int, recompute_s: float, prefill
     return Case(block_size, context, blocks, swap_s, recompute_s, pick, picked / min(swap_s, recompute_s))
 
 
+@dataclass
+class EndToEnd:
+    workload: str
+    mode: str
+    tokens_per_s: float
+    preemptions_swap: int
+    preemptions_recompute: int
+    vs_best_fixed: float = 0.0
+
+
+# name: (requests, prompt tokens, output tokens, device KV blocks, swap space in MiB)
+WORKLOADS = {
+    "long prompts, ample swap": (12, 480, 24, 80, 256),
+    "short prompts, little swap": (24, 48, 48, 24, 4),
+}
+
+
+def end_to_end(scale: float) -> list[EndToEnd]:
+    from engine.engine import LLMEngine
+
+    runs = []
+    for name, (requests, prompt, output, blocks, swap_mb) in WORKLOADS.items():
+        requests = max(2, round(requests * scale))
+        for mode in ("swap", "recompute", "auto"):
+            engine = LLMEngine.from_args(num_kv_blocks=blocks, swap_space_mb=swap_mb, preemption_mode=mode,
+                                         enable_prefix_caching=False, max_model_len=1024,
+                                         max_waiting=requests + 1)
+            vocab = engine.model_config.vocab_size
+            params = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+            engine.add_request("warmup", SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                               prompt_token_ids=[t % vocab for t in request_tokens(10_000, 32)])
+            while engine.has_unfinished():
+                engine.step()
+            for i in range(requests):
+                engine.add_request(f"r{i}", params, prompt_token_ids=[t % vocab for t in request_tokens(i, prompt)])
+            start = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            stats = engine.stats()
+            runs.append(EndToEnd(name, mode, requests * output / (time.perf_counter() - start),
+                                 stats["preemptions_swap"], stats["preemptions_recompute"]))
+        best = max(r.tokens_per_s for r in runs if r.workload == name and r.mode != "auto")
+        for r in runs:
+            if r.workload == name:
+                r.vs_best_fixed = r.tokens_per_s / best
+    return runs
+
+
 def plot(by_block: list[Case], by_context: list[Case], path: Path, title: str) -> None:
     import matplotlib
 
@@ -141,6 +195,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,256,512,1024,1920")
     parser.add_argument("--block-size", type=int, default=16, help="block size for the context sweep")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--end-to-end", action="store_true", help="also run auto against both fixed modes")
+    parser.add_argument("--scale", type=float, default=1.0, help="request count of the end-to-end workloads")
     parser.add_argument("--output", type=Path, default=PAPER_DIR / "swap_recompute.txt")
     args = parser.parse_args()
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
@@ -155,6 +211,8 @@ def main() -> None:
                 for b in block_sizes]
     by_context = [case(engine, args.block_size, c, recompute[c], prefill_per_token, args.repeats)
                   for c in contexts]
+
+    e2e = end_to_end(args.scale) if args.end_to_end else []
 
     machine = describe()
     command = "python " + " ".join(shlex.quote(a) for a in [str(Path(sys.argv[0]).resolve().relative_to(ROOT)),
@@ -174,6 +232,15 @@ def main() -> None:
     for c in by_block + by_context:
         lines.append(f"{c.block_size:>6}{c.context:>9}{c.blocks:>8}{1e3 * c.swap_s:>10.2f}{1e3 * c.recompute_s:>11.2f}"
                      f"{c.swap_vs_recompute:>10.3f}{c.auto_pick:>11}{c.auto_vs_best:>11.2f}")
+    if e2e:
+        lines += ["", "end to end: output tokens/s over the best fixed mode's (workloads: requests, prompt, output "
+                  "tokens, device KV blocks, swap MiB)"]
+        for name, spec in WORKLOADS.items():
+            lines.append(f"  {name}: {spec}")
+        lines.append(f"{'workload':<28}{'mode':>10}{'tok/s':>9}{'vs best fixed':>15}{'swaps':>7}{'recomputes':>12}")
+        for r in e2e:
+            lines.append(f"{r.workload:<28}{r.mode:>10}{r.tokens_per_s:>9.1f}{r.vs_best_fixed:>15.2f}"
+                         f"{r.preemptions_swap:>7}{r.preemptions_recompute:>12}")
     worst = max(c.auto_vs_best for c in by_block + by_context)
     lines += [
         "",
@@ -182,6 +249,7 @@ def main() -> None:
         "blocks); a recompute redoes the prefill, whatever the block size.",
         json.dumps({"results": [{**asdict(c), "swap_vs_recompute": c.swap_vs_recompute}
                                 for c in by_block + by_context],
+                    "end_to_end": [asdict(r) for r in e2e],
                     "machine": machine.as_dict(), "command": command}),
     ]
     title = f"Swap vs recompute per preemption (SmolLM2-135M, {engine.dtype}); letters: auto's pick"
