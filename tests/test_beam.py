@@ -189,3 +189,30 @@ def test_preemption_keeps_the_beams(mode: str, prompts: list[list[int]], four_be
     assert stats[f"preemptions_{mode}"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert [[o.token_ids for o in out.outputs] for out in outs] == four_beams
+
+
+def test_a_beam_search_streams_its_beams_whole_at_the_end(llm: LLM, prompts: list[list[int]],
+                                                          four_beams: list[list[list[int]]]) -> None:
+    engine = llm.engine
+    engine.add_request("whole", _params(4, 1.0, False), prompt_token_ids=prompts[0])
+    steps = []
+    while engine.has_unfinished():
+        steps.append(engine.step())
+    assert all(not deltas for deltas in steps[:-1]) and len(steps) > MAX_TOKENS // 2
+    final = steps[-1]
+    assert [d.index for d in final] == [0, 1, 2, 3] and [d.request_finished for d in final] == [0, 0, 0, 1]
+    assert [d.token_ids for d in final] == four_beams[0] and all(d.finished for d in final)
+    assert [d.text for d in final] == [llm.tokenizer.decode(t, skip_special_tokens=True) for t in four_beams[0]]
+    assert [d.completion_tokens for d in final] == [len(t) for t in four_beams[0]]
+
+
+def test_an_aborted_beam_search_returns_its_best_beams_so_far(llm: LLM, prompts: list[list[int]]) -> None:
+    engine = llm.engine
+    engine.add_request("cut", _params(4, 1.0, False), prompt_token_ids=prompts[0])
+    for _ in range(4):
+        engine.step()
+    deltas = engine.abort_request("cut")
+    assert [d.index for d in deltas] == [0, 1, 2, 3] and deltas[-1].request_finished
+    assert all(d.finish_reason in ("abort", "stop") and d.token_ids for d in deltas)
+    assert any(d.finish_reason == "abort" for d in deltas)
+    assert engine.block_manager.device.num_free == engine.block_manager.device.num_blocks
