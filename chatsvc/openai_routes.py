@@ -33,9 +33,11 @@ async def list_models(request: Request) -> JSONResponse:
     return JSONResponse({"object": "list", "data": data})
 
 
-def _check_n(gw: Gateway, n: int) -> None:
+def _check_n(gw: Gateway, n: int, best_of: int | None = None) -> None:
     if n > gw.settings.max_n:
         raise APIError(400, f"n must be <= {gw.settings.max_n}", code="invalid_value", param="n")
+    if best_of is not None and best_of > gw.settings.max_n:  # beams cost the engine what samples do
+        raise APIError(400, f"best_of must be <= {gw.settings.max_n}", code="invalid_value", param="best_of")
 
 
 class _Tokens:
@@ -137,7 +139,7 @@ async def chat_completions(request: Request) -> Response:
     owner = gw.auth.from_http(request.headers)
     req = parse(ChatCompletionRequest, await read_json(request, gw.settings.max_body_bytes))
     model = gw.check_model(req.model)
-    _check_n(gw, req.n)
+    _check_n(gw, req.n, req.best_of)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
     prompt_ids = await gw.offload.chat_ids(messages)
     max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len, None)
@@ -263,7 +265,7 @@ async def completions(request: Request) -> Response:
     owner = gw.auth.from_http(request.headers)
     req = parse(CompletionRequest, await read_json(request, gw.settings.max_body_bytes))
     model = gw.check_model(req.model)
-    _check_n(gw, req.n)
+    _check_n(gw, req.n, req.best_of)
     tok = gw.engine.tokenizer
     if isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
         prompt_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])

@@ -28,7 +28,7 @@ _UNSUPPORTED: dict[str, Any] = {
     "tool_choice": lambda v, d: v in (None, "none"),
     "functions": lambda v, d: not v,
     "function_call": lambda v, d: v in (None, "none"),
-    "best_of": lambda v, d: v is None or v == d.get("n", 1),
+    "best_of": lambda v, d: v is None or v == d.get("n", 1) or bool(d.get("use_beam_search")),
     "suffix": lambda v, d: not v,
     "guided_json": lambda v, d: v is None,
     "guided_regex": lambda v, d: v is None,
@@ -97,9 +97,14 @@ class SamplingFields(_Lenient):
                 max_tokens=max_tokens,
                 min_tokens=min(self.min_tokens, max_tokens),
                 logprobs=logprobs,
+                **self._beam_params(),
             )
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+    def _beam_params(self) -> dict[str, Any]:
+        return {}
 
 
 class TextPart(_Lenient):
@@ -127,6 +132,19 @@ class _OpenAIBase(SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's beam search extension. Its answer exists only when the search is done, so a streamed request
+    # gets each beam whole in one chunk at the end.
+    use_beam_search: bool = False
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0
+    early_stopping: bool | Literal["never"] = False
+
+    def _beam_params(self) -> dict[str, Any]:
+        if not self.use_beam_search:
+            return {}
+        # Beam search does not sample: the OpenAI default temperature of 1 is no request for sampling.
+        return {"use_beam_search": True, "best_of": self.best_of, "length_penalty": self.length_penalty,
+                "early_stopping": self.early_stopping}
 
 
 class ChatCompletionRequest(_OpenAIBase):

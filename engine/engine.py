@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.beam import end_tokens
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -358,11 +359,83 @@ class LLMEngine:
         or its length limit; finished sequences free their blocks; one delta per sequence."""
         now = time.monotonic()
         deltas = []
-        for (_, group, seq), token, logprobs in zip(rows, result.token_ids, result.logprobs, strict=True):
+        searches: dict[str, SequenceGroup] = {}
+        candidates = result.beam_candidates or [None] * len(rows)
+        for (_, group, seq), token, logprobs, cands in zip(rows, result.token_ids, result.logprobs, candidates,
+                                                           strict=True):
             if group.first_token_time is None:
                 group.first_token_time = now
+            if group.beam is not None and cands is not None:
+                group.beam.pending[seq.seq_id] = cands
+                searches[group.request_id] = group
+                continue
             deltas.append(self._append_token(group, seq, token, logprobs))
+        for group in searches.values():
+            deltas.extend(self._beam_step(group))
         return deltas
+
+    # -- beam search ------------------------------------------------------------------------------
+    def _beam_step(self, group: SequenceGroup) -> list[RequestDelta]:
+        """Once every running beam of the group has sampled, let ``engine.beam`` pick the continuations and
+        make them sequences: a parent extended once takes the token itself, each further continuation of it
+        is a fork sharing its blocks, and a parent extended by none is dropped with its private blocks. A
+        beam search streams nothing until it is done; then its ``n`` best beams finish whole."""
+        search = group.beam
+        assert search is not None
+        beams = list(group.seqs)
+        if any(seq.seq_id not in search.pending for seq in beams):
+            return []  # a beam still prefilling (chunked, or recomputed after preemption) samples later
+        params = group.sampling_params
+        limit = self.max_model_len - group.num_prompt_tokens
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens)
+        chosen = search.step([search.pending[seq.seq_id] for seq in beams], [seq.output_token_ids for seq in beams],
+                             end_tokens(self.eos_token_ids, params.stop_token_ids, params.ignore_eos), limit)
+        extended: set[int] = set()
+        next_beams: list[Sequence] = []
+        for c in chosen:  # every fork before any token is appended: a child copies its parent's tokens
+            parent = beams[c.parent]
+            next_beams.append(parent if c.parent not in extended else self.scheduler.fork_seq(group, parent))
+            extended.add(c.parent)
+        for i, seq in enumerate(beams):
+            if i not in extended:
+                self.scheduler.drop_seq(group, seq)
+                self._forget_seq(seq)
+        for seq, c in zip(next_beams, chosen, strict=True):
+            seq.token_ids.append(c.token)
+        group.seqs = next_beams  # best first, as the search's scores are
+        if not search.done:
+            return []
+        self.scheduler.finish_group(group)
+        return self._finish_request(group)
+
+    def _beam_results(self, group: SequenceGroup) -> list[Sequence]:
+        """The group's ``n`` best hypotheses as finished sequences (they hold no blocks). Running beams fill
+        in for a search cut short, with the reason it ended."""
+        search = group.beam
+        assert search is not None
+        params = group.sampling_params
+        running = list(group.seqs)
+        hyps = search.best(params.n, [seq.output_token_ids for seq in running])
+        cut_reason = next((s.finish_reason for s in running if s.finish_reason), "length")
+        results = []
+        for i, hyp in enumerate(hyps):
+            seq = Sequence(group.prompt_token_ids + list(hyp.token_ids), group.num_prompt_tokens, index=i)
+            detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_token_ids, params,
+                                           eos_token_ids=self.eos_token_ids)
+            step = detok.step(list(hyp.token_ids))
+            if not step.stopped:
+                detok.flush()
+            seq.output_text = detok.output_text
+            if hyp.ended:
+                seq.finish_reason = "stop"
+                if hyp.token_ids[-1] not in self.eos_token_ids:
+                    seq.stop_reason = hyp.token_ids[-1]
+            else:
+                seq.finish_reason = "length" if search.done else cut_reason
+            seq.num_computed_tokens = seq.num_tokens
+            results.append(seq)
+        return results
 
     def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
         if seq.seq_id not in self._generators:
@@ -419,17 +492,23 @@ class LLMEngine:
         self._generators.pop(seq.seq_id, None)
 
     def _finish_request(self, group: SequenceGroup) -> list[RequestDelta]:
-        """Final deltas for a request ended by the engine (abort, or it can never fit)."""
+        """Final deltas for a request ended by the engine (abort, or it can never fit), or a beam search that
+        is done: it sent nothing before, so its deltas carry each returned beam whole."""
         self._groups.pop(group.request_id, None)
         group.finished_time = time.monotonic()
-        deltas = []
         for seq in group.seqs:
             self._forget_seq(seq)
+        whole = group.beam is not None
+        if whole:
+            group.seqs = self._beam_results(group)
+        deltas = []
+        for seq in group.seqs:
             deltas.append(RequestDelta(
-                request_id=group.request_id, index=seq.index, text="", token_ids=[], finished=True,
+                request_id=group.request_id, index=seq.index, text=seq.output_text if whole else "",
+                token_ids=list(seq.output_token_ids) if whole else [], finished=True,
                 finish_reason=seq.finish_reason or "abort", logprobs=None,
                 prompt_tokens=group.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
-                cached_tokens=group.num_cached_tokens,
+                cached_tokens=group.num_cached_tokens, stop_reason=seq.stop_reason,
             ))
         deltas[-1].request_finished = True
         return deltas

@@ -12,6 +12,10 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from math import isfinite
+from typing import Literal
+
+from engine.beam import BeamSearch
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +46,12 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Beam search (vLLM's extension): ``best_of`` beams, the ``n`` best returned. Scored like transformers'
+    # ``generate(num_beams=best_of)``: sum of log-probabilities / generated length ** length_penalty.
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -75,10 +85,50 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        if self.use_beam_search:
+            self._validate_beam_search()
+        elif self.best_of not in (None, self.n):
+            raise ValueError("best_of > n needs use_beam_search (sampling returns every sample it draws)")
+        elif self.length_penalty != 1.0 or self.early_stopping is not False:
+            raise ValueError("length_penalty and early_stopping apply to beam search only")
+
+    def _validate_beam_search(self) -> None:
+        """Beam search ranks continuations by the model's log-probabilities: the knobs that reshape a sampling
+        distribution, per-token logprobs of a beam that may later be dropped, and stop strings (which would
+        need every candidate detokenized) are refused rather than silently ignored."""
+        if self.beam_width < 2:
+            # As vLLM: one beam is greedy decoding (transformers' num_beams=1 is), so ask for that instead.
+            raise ValueError(f"beam search needs best_of (or n) >= 2, got {self.beam_width}")
+        if self.top_p != 1.0 or self.top_k not in (0, -1) or self.min_p != 0.0:
+            raise ValueError("beam search does not sample: top_p, top_k and min_p must be left at their defaults")
+        if self.seed is not None:
+            raise ValueError("beam search is deterministic: seed does not apply")
+        if self.logprobs is not None:
+            raise ValueError("logprobs are not supported with beam search")
+        if self.stop:
+            raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
+        if not isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-5
+        """Pick the most likely token. Beam search rows count as greedy: the token the sampler picks for them
+        is not used (the beam step chooses from their candidates), and argmax is the cheapest pick."""
+        return self.temperature < 1e-5 or self.use_beam_search
+
+    @property
+    def beam_width(self) -> int:
+        """Beams kept by beam search (``best_of``, ``n`` when unset); 0 without beam search."""
+        return (self.best_of or self.n) if self.use_beam_search else 0
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences the request may hold at once: its beams, or its ``n`` samples."""
+        return self.beam_width or self.n
 
 
 _seq_counter = itertools.count()
@@ -152,24 +202,33 @@ class SequenceGroup:
         self.request_id = request_id
         self.prompt = prompt
         self.sampling_params = sampling_params
+        self._prompt_token_ids = tuple(prompt_token_ids)
         self.seqs: list[Sequence] = [Sequence(prompt_token_ids, len(prompt_token_ids))]
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        # Beam search state (scores, finished hypotheses); its beams are ``seqs`` until it finishes, then
+        # ``seqs`` holds the ``n`` best hypotheses.
+        self.beam: BeamSearch | None = None
+        if sampling_params.use_beam_search:
+            self.beam = BeamSearch(sampling_params.beam_width, sampling_params.length_penalty,
+                                   sampling_params.early_stopping)
 
     @property
     def num_prompt_tokens(self) -> int:
-        return self.seqs[0].num_prompt_tokens
+        return len(self._prompt_token_ids)
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.seqs[0].prompt_token_ids
+        # Kept apart from the sequences: a beam search drops all of its beams before its results replace them.
+        return list(self._prompt_token_ids)
 
     @property
     def needs_fork(self) -> bool:
-        return self.sampling_params.n > len(self.seqs)
+        """Whether the single sequence still has to fork into ``n`` samples (beam search forks by itself)."""
+        return self.beam is None and self.sampling_params.n > len(self.seqs)
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.is_finished]
@@ -208,8 +267,9 @@ def make_request(
     if not isinstance(sampling_params, SamplingParams):
         raise ValueError("sampling_params must be a SamplingParams")
     sampling_params.validate()
-    if sampling_params.n > limits.max_num_seqs:
-        raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs={limits.max_num_seqs}")
+    if sampling_params.max_seqs > limits.max_num_seqs:
+        what = "best_of" if sampling_params.use_beam_search else "n"
+        raise ValueError(f"{what}={sampling_params.max_seqs} exceeds max_num_seqs={limits.max_num_seqs}")
     if prompt_token_ids is None:
         if prompt is None:
             raise ValueError("prompt or prompt_token_ids is required")

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from engine.beam import end_tokens, num_candidates
 from engine.request import SamplingParams
 
 _MASK = float("-inf")
@@ -53,6 +54,9 @@ class SamplerOutput:
     # Per row: {token_id: logprob} holding the top ``params.logprobs`` tokens in descending order,
     # then the sampled token if it is not among them. None when the row did not ask.
     logprobs: list[dict[int, float] | None]
+    # Per row: a beam search row's most likely next tokens and their log-probabilities, best first, as many as
+    # the beam step examines (``beam.num_candidates``); None for other rows. Empty when no row searches beams.
+    beam_candidates: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
 
 
 def make_generator(
@@ -193,6 +197,38 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(batch.params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(batch.params)} rows")
+        out = self._pick(logits, batch)
+        beam_rows = [i for i, p in enumerate(batch.params) if p.use_beam_search]
+        if not beam_rows:
+            return out
+        return SamplerOutput(out.token_ids, out.logprobs, self._beam_candidates(logits, batch, beam_rows))
+
+    @staticmethod
+    def _beam_candidates(logits: Tensor, batch: SamplingBatch, rows: list[int]
+                         ) -> list[tuple[list[int], list[float]] | None]:
+        """float32 log-softmax of each beam row's logits (after min_tokens and penalties, as sampling sees
+        them), and its top ``num_candidates`` tokens."""
+        sub = SamplingBatch(
+            params=[batch.params[i] for i in rows],
+            prompt_token_ids=[batch.prompt_token_ids[i] for i in rows],
+            output_token_ids=[batch.output_token_ids[i] for i in rows],
+            generators=[None] * len(rows),
+            eos_token_ids=batch.eos_token_ids,
+        )
+        x = _take(logits, rows).float().clone()
+        suppress_stop_tokens(x, sub)
+        apply_penalties(x, sub)
+        lp = torch.log_softmax(x, dim=-1)
+        widths = [num_candidates(p.beam_width, len(end_tokens(batch.eos_token_ids, p.stop_token_ids, p.ignore_eos)))
+                  for p in sub.params]
+        vals, ids = lp.topk(min(max(widths), lp.shape[1]), dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        result: list[tuple[list[int], list[float]] | None] = [None] * len(batch.params)
+        for r, (i, k) in enumerate(zip(rows, widths, strict=True)):
+            result[i] = (ids_l[r][:k], vals_l[r][:k])
+        return result
+
+    def _pick(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         params = batch.params
         logprobs = [p.logprobs for p in params]
 

@@ -112,9 +112,10 @@ class Scheduler:
 
     # -- queues -------------------------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
-        if group.sampling_params.n > self.config.max_num_seqs:
+        if group.sampling_params.max_seqs > self.config.max_num_seqs:
             # It could never be admitted and would block the head of the waiting queue forever.
-            raise ValueError(f"n={group.sampling_params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise ValueError(f"{group.sampling_params.max_seqs} sequences (n or best_of) exceed "
+                             f"max_num_seqs={self.config.max_num_seqs}")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         group.status = RequestStatus.WAITING
@@ -149,7 +150,9 @@ class Scheduler:
 
     @staticmethod
     def _seq_slots(group: SequenceGroup) -> int:
-        return max(len(group.unfinished_seqs()), group.sampling_params.n if group.needs_fork else 0)
+        # A group that will fork (into n samples, or up to best_of beams) is admitted with room for all of them.
+        will_fork = group.needs_fork or group.beam is not None
+        return max(len(group.unfinished_seqs()), group.sampling_params.max_seqs if will_fork else 0)
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -323,6 +326,26 @@ class Scheduler:
             group.seqs.append(child)
             children.append(child)
         return children
+
+    def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """A new beam continuing ``parent``: it shares every block of it; whichever of the two writes into the
+        shared last, partial block first copies it (copy-on-write at its next ``allocate_slots``)."""
+        child = parent.fork(len(group.seqs))
+        self.block_manager.fork(parent, child)
+        group.seqs.append(child)
+        return child
+
+    def drop_seq(self, group: SequenceGroup, seq: Sequence) -> None:
+        """A beam that no continuation extends: it leaves the group and its private blocks are free at once
+        (blocks it shares stay with the other holders)."""
+        self.block_manager.free(seq)
+        group.seqs.remove(seq)
+
+    def finish_group(self, group: SequenceGroup) -> None:
+        """End a running group whose sequences hold no blocks any more (a beam search that is done)."""
+        if group in self.running:
+            self.running.remove(group)
+        self._finish_group(group)
 
     def finish_seq(self, group: SequenceGroup, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -142,6 +142,38 @@ def test_copy_on_write_of_shared_partial_last_block() -> None:
     assert len(bm.block_table(child)) == 3 and bm.block_table(child)[2] != bm.block_table(parent)[2]
 
 
+def test_beam_step_forks_a_parent_twice_and_frees_a_dropped_beam_at_once() -> None:
+    bm = BlockManager(block_size=4, num_device_blocks=12)
+    group = _group(list(range(6)), n=1)
+    a = group.seqs[0]
+    _compute(bm, a)
+    b = a.fork(1)
+    bm.fork(a, b)
+    for seq, tok in ((a, 10), (b, 20)):  # two beams diverge inside the shared partial block
+        seq.token_ids.append(tok)
+        _compute(bm, seq, 1)
+    prompt_block = bm.block_table(a)[0]
+    assert bm.block_table(b)[0] == prompt_block and bm.block_table(a)[1] != bm.block_table(b)[1]
+    # The step keeps two continuations of a and none of b: a forks, b is dropped.
+    c = a.fork(2)
+    bm.fork(a, c)
+    b_private = bm.block_table(b)[1]
+    free_before = bm.num_free_device_blocks
+    bm.free(b)
+    assert bm.num_free_device_blocks == free_before + 1 and bm.device.blocks[b_private].ref_count == 0
+    assert _refs(bm, bm.block_table(a)) == [2, 2]
+    copies = []
+    for seq, tok in ((a, 11), (c, 12)):
+        seq.token_ids.append(tok)
+        copies += _compute(bm, seq, 1)
+    # The first writer copies the shared partial block; the last holder (c) then writes into it in place.
+    assert copies == [(bm.block_table(c)[1], bm.block_table(a)[1])]
+    assert _refs(bm, [prompt_block]) == [2]
+    bm.free(a)
+    bm.free(c)
+    assert bm.num_free_device_blocks == 12
+
+
 def test_table_updates_report_only_what_changed() -> None:
     """What the runner is sent of a table: appended blocks, a copy-on-write's replacement, a whole new table
     after a fork or a swap-in, and nothing when nothing changed."""
@@ -512,6 +544,32 @@ def _run_ops(bm: BlockManager, ops: list[tuple[int, int, int]]) -> None:
             plan = bm.swap_in(group)
             m.copy(plan, "cpu", "device")
             m.groups = [(g, "device" if g is group else w) for g, w in m.groups]
+        elif kind == 9 and on_device:  # a beam step: parents drawn with repeats; forks, then drops
+            group = on_device[a % len(on_device)]
+            beams = group.unfinished_seqs()
+            if any(s.num_uncomputed_tokens for s in beams) or len(beams) > 4:
+                continue
+            parents = [beams[(a + b * i) % len(beams)] for i in range(1 + b % len(beams))]
+            nxt: list[Sequence] = []
+            for parent in parents:  # the first continuation of a parent is the parent itself
+                if parent not in nxt:
+                    nxt.append(parent)
+                    continue
+                child = parent.fork(len(group.seqs))
+                bm.fork(parent, child)
+                group.seqs.append(child)
+                nxt.append(child)
+            for seq in beams:
+                if seq in nxt:
+                    continue
+                private = [blk for blk in bm.block_table(seq) if bm.device.blocks[blk].ref_count == 1]
+                free_before = bm.num_free_device_blocks
+                bm.free(seq)
+                group.seqs.remove(seq)
+                assert bm.num_free_device_blocks == free_before + len(private), "a dropped beam keeps blocks"
+                assert all(bm.device.blocks[blk].ref_count == 0 for blk in private)
+            for i, seq in enumerate(nxt):
+                seq.token_ids.append((b + i) % 2)
         elif kind == 8:  # pin / unpin a family prefix
             key = f"p{a % 2}"
             if b % 2:
@@ -530,7 +588,7 @@ def _run_ops(bm: BlockManager, ops: list[tuple[int, int, int]]) -> None:
     assert bm.num_free_cpu_blocks == bm.cpu.num_blocks
 
 
-_ops = st.lists(st.tuples(st.integers(0, 8), st.integers(0, 63), st.integers(0, 63)), max_size=40)
+_ops = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 63), st.integers(0, 63)), max_size=40)
 
 
 @settings(max_examples=200, deadline=None)

@@ -34,6 +34,11 @@ PAPER_DIR = ROOT / "docs" / "paper"
 
 def sharegpt_prompt_lengths() -> list[int]:
     """Token count of every ShareGPT prompt in the default model's chat template, in file order."""
+    return [len(ids) for ids in sharegpt_prompt_ids()]
+
+
+def sharegpt_prompt_ids() -> list[list[int]]:
+    """Every ShareGPT prompt in the default model's chat template, as token ids, in file order."""
     from engine.loader import load_tokenizer
 
     for path in DATA_CANDIDATES:
@@ -43,7 +48,7 @@ def sharegpt_prompt_lengths() -> list[int]:
     else:
         raise FileNotFoundError(f"no ShareGPT prompts at any of {[str(p) for p in DATA_CANDIDATES]}")
     tokenizer, _ = load_tokenizer()
-    return [len(tokenizer.apply_chat_template([{"role": "user", "content": row["conversations"][0]["value"]}]))
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": row["conversations"][0]["value"]}]))
             for row in rows]
 
 
