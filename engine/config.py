@@ -56,7 +56,11 @@ class EngineConfig:
     linear_backend: LinearBackendName = _setting(
         "auto", "onednn: weights packed once for oneDNN (auto: where it runs the dtype natively)")
     engine_threads: int | None = _setting(None, "torch threads of the engine (default: as torch chooses; all "
-                                                "cores in an engine process)")
+                                                "cores in an engine process); split evenly among the "
+                                                "tensor-parallel ranks")
+    tensor_parallel_size: int = _setting(
+        1, "processes the model is sharded over (heads, MLP features, vocabulary); it must divide the model's KV "
+           "heads. The engine spawns the other ranks itself, or joins the ranks torchrun started")
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):  # a Path is as good as its string, and pickles the same
@@ -68,7 +72,7 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
             raise ValueError("give num_kv_blocks or kv_cache_mb, not both")
-        for name in ("block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads"):
+        for name in ("block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
