@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as torch_mp
 from torch import Tensor
+from torch.multiprocessing.spawn import ProcessContext, start_processes
 
 from engine.client import EngineDeadError
 from engine.config import CacheConfig, EngineConfig
@@ -166,7 +166,7 @@ def _init_groups(rank: int, size: int, init_method: str, device: str) -> dist.Pr
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    group = dist.new_group(backend="gloo", timeout=_PLAN_TIMEOUT)
+    group: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=_PLAN_TIMEOUT)
     assert group is not None, "every rank is a member"
     return group
 
@@ -197,7 +197,7 @@ def _may_start_children() -> Iterator[None]:
 # ---- rank 0 --------------------------------------------------------------------------------------
 
 
-def _dead_rank(context: torch_mp.ProcessContext | None) -> str | None:
+def _dead_rank(context: ProcessContext | None) -> str | None:
     """A description of the first spawned rank that has exited, else None."""
     for index, proc in enumerate(context.processes if context is not None else ()):
         if not proc.is_alive():
@@ -208,7 +208,7 @@ def _dead_rank(context: torch_mp.ProcessContext | None) -> str | None:
 class _Ranks:
     """Rank 0's hold on the group: the processes it spawned (none under torchrun) and the plan group."""
 
-    def __init__(self, size: int, plan_group: dist.ProcessGroup, context: torch_mp.ProcessContext | None) -> None:
+    def __init__(self, size: int, plan_group: dist.ProcessGroup, context: ProcessContext | None) -> None:
         self.size = size
         self.plan_group = plan_group
         self.context = context
@@ -228,8 +228,9 @@ class _Ranks:
             raise RuntimeError("a tensor-parallel engine already runs in this process (one process group each)")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         with _may_start_children():
-            context = torch_mp.start_processes(_spawned_main, args=(init_method, config), nprocs=size - 1,
-                                               join=False, daemon=True, start_method="spawn")
+            context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
+                _spawned_main, args=(init_method, config), nprocs=size - 1, join=False, daemon=True,
+                start_method="spawn")
         try:
             group = _init_groups(0, size, init_method, device)
         except Exception as exc:
