@@ -53,7 +53,7 @@ from engine.config import CacheConfig, EngineConfig
 from engine.loader import load_model
 from engine.model import ModelConfig
 from engine.model.llama import LlamaForCausalLM
-from engine.model.parallel import TensorParallel
+from engine.model.parallel import CollectiveError, TensorParallel
 from engine.plan import PlannedSeq, ScheduledSeq, SchedulerOutput, StepSeq
 from engine.runner import ModelRunner
 from kernels import AttentionBackend, get_backend
@@ -63,6 +63,7 @@ log = logging.getLogger("chatsvc.engine")
 COLLECTIVE_TIMEOUT_S = 120.0
 _PLAN_TIMEOUT = datetime.timedelta(days=3650)
 _JOIN_TIMEOUT_S = 10.0
+_EXIT_WAIT_S = 0.5
 
 BlockMoves = tuple[tuple[int, int], ...]
 
@@ -250,6 +251,8 @@ class _Ranks:
             raise RankDiedError(f"tensor-parallel engine is down: {self.failed}")
 
     def fail(self, exc: BaseException) -> RankDiedError:
+        for proc in self.context.processes if self.context is not None else ():
+            proc.join(_EXIT_WAIT_S)  # a killed peer's socket closes before its exit status is there to read
         self.failed = self.dead_rank() or f"{type(exc).__name__}: {exc}"
         return RankDiedError(f"tensor-parallel engine is down: {self.failed}")
 
@@ -277,7 +280,7 @@ class _Ranks:
                 dist.broadcast_object_list([Stop()], src=0, group=self.plan_group)
         if self.context is not None:
             for proc in self.context.processes:
-                proc.join(_JOIN_TIMEOUT_S)
+                proc.join(_JOIN_TIMEOUT_S if self.failed is None else 0)  # a failed group sent no Stop
                 if proc.is_alive():
                     proc.kill()
                     proc.join()
@@ -349,7 +352,7 @@ class DriverRunner(ModelRunner):
         try:
             return self.run(out.scheduled)
         except Exception as exc:
-            if self.ranks.dead_rank() is not None or isinstance(exc, dist.DistError):
+            if isinstance(exc, CollectiveError) or self.ranks.dead_rank() is not None:
                 raise self.ranks.fail(exc) from exc
             raise  # the workers raised it too (see the module docstring)
 
@@ -448,6 +451,8 @@ def _loop(runner: ModelRunner, rank: int, group: dist.ProcessGroup) -> None:
                     mirror.update(message.seqs)
                     try:
                         runner.run(message.seqs)
+                    except CollectiveError:
+                        raise  # a peer is gone: so is the engine
                     except Exception as exc:  # noqa: BLE001 - rank 0 raised it too and goes on
                         log.warning("tensor-parallel rank %d: step failed (%s)", rank, exc)
             case GatherTables():

@@ -5,6 +5,7 @@ sizes that do not split the heads, and a dead rank taking the engine down with a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from engine.client import EngineDeadError
 from engine.config import EngineConfig
 from engine.distributed import DriverRunner, RankDiedError
 from engine.engine import LLMEngine
+from engine.engine_process import ProcessEngine
 from engine.model.testing import make_tiny_model_dir
 from engine.request import SamplingParams
 
@@ -138,7 +141,7 @@ def test_a_dead_rank_stops_the_engine_with_an_error(tiny_dir: Path) -> None:
     try:
         assert isinstance(engine.runner, DriverRunner) and engine.runner.ranks.context is not None
         worker = engine.runner.ranks.context.processes[0]
-        os.kill(worker.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         engine.add_request("after", GREEDY, prompt=PROMPTS[0])
         started = time.monotonic()
@@ -149,3 +152,49 @@ def test_a_dead_rank_stops_the_engine_with_an_error(tiny_dir: Path) -> None:
         assert time.monotonic() - started < 10
     finally:
         _close(engine)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+async def test_engine_process_with_ranks_serves_and_goes_down_whole_when_a_rank_dies(
+        tiny_dir: Path, reference: list[list[int]]) -> None:
+    # max_deaths=1: no restart (ProcessEngine's own tests cover restarting); this one checks the way down.
+    engine = ProcessEngine.from_args(str(tiny_dir), max_deaths=1, dtype="float32", num_kv_blocks=256,
+                                     block_size=4, tensor_parallel_size=2, engine_threads=2)
+    await engine.start()
+    try:
+        deltas = [d async for d in engine.generate("tp", GREEDY, prompt=PROMPTS[0])]
+        assert [t for d in deltas for t in d.token_ids] == reference[0]
+        (rank1,) = _children(engine.pid)  # the engine process (rank 0) spawned rank 1
+        stream = engine.generate("killed", SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                                 prompt=PROMPTS[1])
+        os.kill(rank1, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        assert _gone(engine.pid, 20)  # the engine process exited on RankDiedError
+        deadline = time.monotonic() + 20
+        while engine.state != "failed" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert engine.state == "failed" and not engine.is_running
+    finally:
+        await engine.stop()

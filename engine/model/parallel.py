@@ -55,6 +55,11 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
             f"each rank must hold whole KV heads; valid sizes: {', '.join(map(str, valid_tp_sizes(config)))}")
 
 
+class CollectiveError(RuntimeError):
+    """A collective of the sharded forward pass failed: a peer rank died, hung past the group's timeout, or
+    the group broke. The ranks are out of step after it; no retry can help."""
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This rank's place in the tensor-parallel group."""
@@ -103,17 +108,20 @@ class TensorParallel:
     # -- collectives --------------------------------------------------------------------------------
     def all_reduce(self, x: Tensor) -> None:
         """Sum ``x`` over the ranks, in place."""
-        dist.all_reduce(x)
+        try:
+            dist.all_reduce(x)
+        except RuntimeError as exc:
+            raise CollectiveError(f"all-reduce failed: {exc}") from exc
 
     def gather_logits(self, local: Tensor, vocab_size: int) -> Tensor:
         """Rank 0: the whole ``[rows, vocab]`` logits from every rank's slice; other ranks: their own slice
         (unused: only rank 0 samples)."""
-        if self.rank != 0:
-            dist.gather(local, None, dst=0)
-            return local
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.gather(local, parts, dst=0)
-        return torch.cat(parts, dim=-1)[:, :vocab_size]
+        parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+        try:
+            dist.gather(local, parts, dst=0)
+        except RuntimeError as exc:
+            raise CollectiveError(f"logits gather failed: {exc}") from exc
+        return local if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
 
 
 class RowParallelLinear(Linear):
@@ -140,4 +148,4 @@ def row_linear(in_features: int, out_features: int, bias: bool, device: torch.de
     return RowParallelLinear(in_features, out_features, bias, device, dtype, tp)
 
 
-__all__ = ["RowParallelLinear", "TensorParallel", "check_tp_size", "row_linear", "valid_tp_sizes"]
+__all__ = ["CollectiveError", "RowParallelLinear", "TensorParallel", "check_tp_size", "row_linear", "valid_tp_sizes"]
