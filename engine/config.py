@@ -36,7 +36,8 @@ class EngineConfig:
     device: Device = _setting("cpu", "where the model and the KV cache live")
     block_size: int = _setting(16, "tokens per KV block")
     num_kv_blocks: int | None = _setting(None, "KV blocks on the device (default: from kv_cache_mb)")
-    kv_cache_mb: int | None = _setting(None, f"KV cache size in MiB (default {DEFAULT_KV_CACHE_MB})")
+    kv_cache_mb: int | None = _setting(
+        None, f"KV cache size in MiB, per tensor-parallel rank (default {DEFAULT_KV_CACHE_MB})")
     swap_space_mb: int = _setting(256, "CPU swap space for preempted sequences' KV, in MiB")
     enable_prefix_caching: bool = _setting(
         True, "reuse the KV of identical prompt prefixes (off: for measuring what it buys; personas then pin "

@@ -103,13 +103,26 @@ def test_tp2_matches_one_process_batched_and_from_the_prefix_cache(tp2: LLMEngin
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_tp2_preemption_keeps_greedy_output(tiny_dir: Path, reference: list[list[int]], mode: str) -> None:
+def test_tp2_preemption_keeps_greedy_output_and_a_dead_rank_stops_the_engine(
+        tiny_dir: Path, reference: list[list[int]], mode: str) -> None:
     engine = _engine(tiny_dir, tensor_parallel_size=2, num_kv_blocks=32, max_model_len=128, preemption_mode=mode,
                      max_num_batched_tokens=64)
     try:
         assert _generate(engine, PROMPTS, GREEDY, mode, check_tables=True) == reference
         assert engine.stats()[f"preemptions_{mode}"] > 0
         _check_idle(engine)
+        # Then rank 1 dies while the engine idles: the next step raises instead of waiting on it.
+        assert isinstance(engine.runner, DriverRunner) and engine.runner.ranks.context is not None
+        worker = engine.runner.ranks.context.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        engine.add_request("after", GREEDY, prompt=PROMPTS[0])
+        started = time.monotonic()
+        with pytest.raises(RankDiedError, match="rank 1 exited"):
+            engine.step()
+        with pytest.raises(RankDiedError):  # and every step after it, at once
+            engine.step()
+        assert time.monotonic() - started < 10
     finally:
         _close(engine)
 
@@ -134,24 +147,6 @@ def test_sizes_that_do_not_split_the_heads_are_refused_before_any_rank_starts(ti
         _engine(None, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
-
-
-def test_a_dead_rank_stops_the_engine_with_an_error(tiny_dir: Path) -> None:
-    engine = _engine(tiny_dir, tensor_parallel_size=2)
-    try:
-        assert isinstance(engine.runner, DriverRunner) and engine.runner.ranks.context is not None
-        worker = engine.runner.ranks.context.processes[0]
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(10)
-        engine.add_request("after", GREEDY, prompt=PROMPTS[0])
-        started = time.monotonic()
-        with pytest.raises(RankDiedError, match="rank 1 exited"):
-            engine.step()
-        with pytest.raises(RankDiedError):  # and every step after it, at once
-            engine.step()
-        assert time.monotonic() - started < 10
-    finally:
-        _close(engine)
 
 
 def _children(pid: int) -> list[int]:

@@ -73,44 +73,46 @@ def _free_port() -> int:
         return port
 
 
-def _sharded_logits(rank: int, size: int, port: int, model_dir: str, linear_backend: str, out: str) -> None:
-    """One rank: load its shard, prefill two prompts into its own KV cache, rank 0 saves the logits."""
+def _sharded_logits(rank: int, size: int, port: int, cases: list[tuple[str, str, str]]) -> None:
+    """One rank: for each (model, linear backend, output) load its shard and prefill two prompts into its own
+    KV cache; rank 0 saves the logits."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
     try:
-        lm = load_model(model_dir, linear_backend=linear_backend, tp=TensorParallel(rank, size))
-        assert all(isinstance(m, RowParallelLinear) for name, m in lm.model.named_modules()
-                   if name.endswith(("o_proj", "down_proj")))
-        c = lm.model.layer_config
-        kv = torch.full((c.num_layers, 2, 16, BLOCK, c.num_kv_heads, c.head_dim), 50.0)
-        ids = [lm.tokenizer.encode("The quick brown fox jumps over the lazy dog."),
-               lm.tokenizer.encode("what is the capital of France?")]
-        meta, pos = prefill_metadata([len(i) for i in ids], BLOCK)
-        with torch.inference_mode():
-            hidden = lm.model(torch.tensor(ids[0] + ids[1]), pos, kv, meta)
-            logits = lm.model.compute_logits(hidden)
-        if rank == 0:
-            torch.save({"ids": ids, "logits": logits}, out)
+        for model_dir, linear_backend, out in cases:
+            lm = load_model(model_dir, linear_backend=linear_backend, tp=TensorParallel(rank, size))
+            assert all(isinstance(m, RowParallelLinear) for name, m in lm.model.named_modules()
+                       if name.endswith(("o_proj", "down_proj")))
+            c = lm.model.layer_config
+            kv = torch.full((c.num_layers, 2, 16, BLOCK, c.num_kv_heads, c.head_dim), 50.0)
+            ids = [lm.tokenizer.encode("The quick brown fox jumps over the lazy dog."),
+                   lm.tokenizer.encode("what is the capital of France?")]
+            meta, pos = prefill_metadata([len(i) for i in ids], BLOCK)
+            with torch.inference_mode():
+                logits = lm.model.compute_logits(lm.model(torch.tensor(ids[0] + ids[1]), pos, kv, meta))
+            if rank == 0:
+                torch.save({"ids": ids, "logits": logits}, out)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("arch", "linear_backend"), [("llama", "onednn"), ("qwen2", "torch")])
-def test_sharded_forward_gives_the_whole_models_logits(tmp_path: Path, arch: str, linear_backend: str) -> None:
-    # llama with every bias (row-parallel biases added once); qwen2: Q/K/V biases and an untied LM head.
-    extra = {"attention_bias": True, "mlp_bias": True} if arch == "llama" else {}
-    model_dir = make_tiny_model_dir(tmp_path, arch, **extra)  # type: ignore[arg-type]
-    out = tmp_path / "logits.pt"
-    torch_mp.spawn(_sharded_logits, args=(2, _free_port(), str(model_dir), linear_backend, str(out)), nprocs=2)
-    saved = torch.load(out)
-    whole = load_model(str(model_dir), linear_backend=linear_backend)
-    o_proj = whole.model.get_submodule("model.layers.0.self_attn.o_proj")
-    assert type(o_proj) is Linear  # TP=1: the plain linear, no collective
-    c = whole.config
-    kv = torch.full((c.num_layers, 2, 16, BLOCK, c.num_kv_heads, c.head_dim), 50.0)
-    meta, pos = prefill_metadata([len(i) for i in saved["ids"]], BLOCK)
-    with torch.inference_mode():
-        expected = whole.model.compute_logits(whole.model(torch.tensor(saved["ids"][0] + saved["ids"][1]), pos, kv,
-                                                          meta))
-    assert saved["logits"].shape == expected.shape == (pos.shape[0], c.vocab_size)
-    torch.testing.assert_close(saved["logits"], expected, atol=1e-4, rtol=1e-4)
+def test_sharded_forward_gives_the_whole_models_logits(tmp_path: Path) -> None:
+    # llama with every bias (row-parallel biases must be added once) on packed oneDNN linears; qwen2 (Q/K/V
+    # biases, an untied LM head) on F.linear. One pair of ranks runs both.
+    cases = [(make_tiny_model_dir(tmp_path, "llama", attention_bias=True, mlp_bias=True), "onednn"),
+             (make_tiny_model_dir(tmp_path, "qwen2"), "torch")]
+    outs = [tmp_path / f"logits-{i}.pt" for i in range(len(cases))]
+    args = [(str(d), backend, str(out)) for (d, backend), out in zip(cases, outs, strict=True)]
+    torch_mp.spawn(_sharded_logits, args=(2, _free_port(), args), nprocs=2)
+    for (model_dir, linear_backend), out in zip(cases, outs, strict=True):
+        saved = torch.load(out)
+        whole = load_model(str(model_dir), linear_backend=linear_backend)
+        assert type(whole.model.get_submodule("model.layers.0.self_attn.o_proj")) is Linear  # TP=1: no collective
+        c = whole.config
+        kv = torch.full((c.num_layers, 2, 16, BLOCK, c.num_kv_heads, c.head_dim), 50.0)
+        meta, pos = prefill_metadata([len(i) for i in saved["ids"]], BLOCK)
+        with torch.inference_mode():
+            expected = whole.model.compute_logits(whole.model(torch.tensor(saved["ids"][0] + saved["ids"][1]), pos,
+                                                              kv, meta))
+        assert saved["logits"].shape == expected.shape == (pos.shape[0], c.vocab_size)
+        torch.testing.assert_close(saved["logits"], expected, atol=1e-4, rtol=1e-4)
