@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -193,3 +196,33 @@ async def test_engine_process_with_ranks_serves_and_goes_down_whole_when_a_rank_
         assert engine.state == "failed" and not engine.is_running
     finally:
         await engine.stop()
+
+
+TORCHRUN_SCRIPT = """
+import os, sys
+from engine.llm import LLM
+from engine.request import SamplingParams
+
+llm = LLM(model=sys.argv[1], dtype="float32", num_kv_blocks=256, block_size=4, tensor_parallel_size=2)
+out = llm.generate(sys.argv[2:], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+print("tokens", os.environ["RANK"], [o.outputs[0].token_ids for o in out], flush=True)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_the_same_code_runs_under_torchrun(tiny_dir: Path, reference: list[list[int]], tmp_path: Path) -> None:
+    """torchrun starts both ranks (env:// rendezvous): rank 0 generates, rank 1 serves its shard inside the
+    LLM constructor and exits when rank 0's engine is gone."""
+    script = tmp_path / "generate.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), str(script),
+                           str(tiny_dir), *PROMPTS[:2]], env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("tokens")]
+    assert lines == [f"tokens 0 {reference[:2]}"]  # rank 1 never returned from LLM(...)
