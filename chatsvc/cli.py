@@ -181,6 +181,12 @@ def serve(args: argparse.Namespace) -> int:
     from chatsvc.store import Store
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.tensor_parallel_size > 1:
+        from engine.distributed import launched_rank, serve_launched_rank
+
+        if launched_rank():  # torchrun started this process as a rank other than 0: no gateway, only a shard
+            serve_launched_rank(engine_config(args))
+            return 0
     embedded: EmbeddedRedis | None = None
     # uvicorn handles the signals while it serves and re-raises them once it has shut down gracefully;
     # they then land here instead of killing the process before the embedded Redis is stopped.

@@ -27,6 +27,7 @@ from engine.client import (
     relay_deltas,
 )
 from engine.config import EngineConfig
+from engine.distributed import RankDiedError
 from engine.engine import LLMEngine, RequestDelta
 from engine.request import SamplingParams, SequenceGroup
 from engine.scheduler import QueueFullError
@@ -101,6 +102,10 @@ class AsyncEngine(EngineClient):
                 continue
             try:
                 deltas = self.engine.step()
+            except RankDiedError as exc:  # the model lost a shard: the engine is down, not one batch
+                log.error("engine stopped: %s", exc)
+                self._fail_running(exc)
+                break
             except Exception as exc:  # noqa: BLE001 - one bad batch must not take the server down
                 log.exception("engine step failed outside the model run; failing the requests it held")
                 self._fail_running(exc)

@@ -36,7 +36,8 @@ class EngineConfig:
     device: Device = _setting("cpu", "where the model and the KV cache live")
     block_size: int = _setting(16, "tokens per KV block")
     num_kv_blocks: int | None = _setting(None, "KV blocks on the device (default: from kv_cache_mb)")
-    kv_cache_mb: int | None = _setting(None, f"KV cache size in MiB (default {DEFAULT_KV_CACHE_MB})")
+    kv_cache_mb: int | None = _setting(
+        None, f"KV cache size in MiB, per tensor-parallel rank (default {DEFAULT_KV_CACHE_MB})")
     swap_space_mb: int = _setting(256, "CPU swap space for preempted sequences' KV, in MiB")
     enable_prefix_caching: bool = _setting(
         True, "reuse the KV of identical prompt prefixes (off: for measuring what it buys; personas then pin "
@@ -56,10 +57,15 @@ class EngineConfig:
     linear_backend: LinearBackendName = _setting(
         "auto", "onednn: weights packed once for oneDNN (auto: where it runs the dtype natively)")
     engine_threads: int | None = _setting(None, "torch threads of the engine (default: as torch chooses; all "
-                                                "cores in an engine process)")
+                                                "cores in an engine process); split evenly among the "
+                                                "tensor-parallel ranks")
     adaptive_threads: bool | None = _setting(
         None, "run each step on engine_threads or one fewer, whichever its measured step times say is faster "
-              "(default: on in an engine process, which shares the cores with the gateway; off in LLM)")
+              "(default: on in an engine process, which shares the cores with the gateway; off in LLM and with "
+              "tensor parallelism)")
+    tensor_parallel_size: int = _setting(
+        1, "processes the model is sharded over (heads, MLP features, vocabulary); it must divide the model's KV "
+           "heads. The engine spawns the other ranks itself, or joins the ranks torchrun started")
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):  # a Path is as good as its string, and pickles the same
@@ -71,7 +77,7 @@ class EngineConfig:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
             raise ValueError("give num_kv_blocks or kv_cache_mb, not both")
-        for name in ("block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads"):
+        for name in ("block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -18,8 +18,16 @@ from engine.beam import end_tokens
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.distributed import (
+    RankDiedError,
+    launched_rank,
+    make_runner,
+    serve_launched_rank,
+    threads_per_rank,
+)
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
+from engine.model.parallel import TensorParallel
 from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
 from engine.runner import ModelRunner, kv_bytes_per_block
@@ -117,28 +125,38 @@ class LLMEngine:
         ``EngineConfig``, so no flag or API request can turn it on."""
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but CUDA is not available")
-        if config.engine_threads is not None:
+        tp = None
+        if config.tensor_parallel_size > 1:
+            if launched_rank():  # a torchrun rank other than 0: this process serves rank 0's steps, then ends
+                serve_launched_rank(config)
+                raise SystemExit(0)
+            tp = TensorParallel(0, config.tensor_parallel_size)
+            torch.set_num_threads(threads_per_rank(config))
+        elif config.engine_threads is not None:
             torch.set_num_threads(config.engine_threads)
-        self.threads = ThreadGovernor(torch.get_num_threads()) if config.adaptive_threads else None
+        # Ranks wait for each other at every all-reduce: one rank varying its threads would only stall the rest.
+        adaptive = bool(config.adaptive_threads) and config.tensor_parallel_size == 1
+        self.threads = ThreadGovernor(torch.get_num_threads()) if adaptive else None
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         backend = get_backend(config.attention_backend, config.device)
-        loaded = load_model(config.model, self.dtype, config.device, backend, config.linear_backend)
+        loaded = load_model(config.model, self.dtype, config.device, backend, config.linear_backend, tp=tp)
         self.model_path = loaded.path
         self.model_name = loaded.config.name or loaded.path.stem
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
 
-        self.cache_config = config.cache_config(kv_bytes_per_block(loaded.config, config.block_size, self.dtype))
+        # Per rank under tensor parallelism: each holds its own KV heads of every block.
+        self.cache_config = config.cache_config(kv_bytes_per_block(loaded.model.layer_config, config.block_size,
+                                                                   self.dtype))
         self.scheduler_config = config.scheduler_config(loaded.config.max_position_embeddings, self.cache_config)
         cache = self.cache_config
         self.block_manager = BlockManager(
             cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks, cache.enable_prefix_caching,
             extra_key=str(self.model_path).encode(),
         )
-        self.runner = ModelRunner(loaded.model, loaded.config, backend, cache, self.dtype,
-                                  torch.device(config.device))
+        self.runner: ModelRunner = make_runner(loaded.model, backend, cache, self.dtype, config)
         costs = PreemptionCosts()
         if self.scheduler_config.preemption_mode == "auto" and cache.num_cpu_blocks:  # without them: recompute
             costs.observe_swap(*measure_swap(self.runner))
@@ -214,6 +232,8 @@ class LLMEngine:
         started: float | None = now
         try:
             logits, samplers = self._forward(out)
+        except RankDiedError:
+            raise  # no request's fault: the engine has lost a shard of its model
         except Exception as exc:  # noqa: BLE001 - isolated below; only the culprits fail
             log.warning("engine step failed (%s); isolating the request(s) that caused it", exc)
             logits, samplers, out = self._isolate(out, exc)

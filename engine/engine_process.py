@@ -79,6 +79,7 @@ from engine.client import (
     relay_deltas,
 )
 from engine.config import EngineConfig
+from engine.distributed import RankDiedError
 from engine.engine import LLMEngine, RequestDelta
 from engine.loader import load_tokenizer
 from engine.request import RequestLimits, SamplingParams, SequenceGroup, make_request
@@ -373,6 +374,8 @@ class _Worker:
             for request_id, error in self.engine.take_failures():  # requests a step isolated and failed
                 self.live.discard(request_id)
                 self.out.errors.append((request_id, _portable(error)))
+        except RankDiedError:
+            raise  # the model lost a shard: this process exits and the parent starts a new engine
         except Exception as exc:  # noqa: BLE001 - one bad batch must not take the engine down
             log.exception("engine step failed outside the model run; failing the requests it held")
             for group in list(self.engine.scheduler.running):

@@ -27,6 +27,7 @@ from torch import Tensor
 from engine.model import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_alias, get_model_class
 from engine.model.linear import resolve_linear_backend
 from engine.model.llama import LlamaForCausalLM
+from engine.model.parallel import TensorParallel
 from engine.tokenizer import Tokenizer
 from kernels import AttentionBackend, get_backend
 
@@ -68,20 +69,24 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 
 def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               attention_backend: str | AttentionBackend = "auto", linear_backend: str = "auto") -> LoadedModel:
+               attention_backend: str | AttentionBackend = "auto", linear_backend: str = "auto",
+               tp: TensorParallel | None = None) -> LoadedModel:
     """Load a supported model; ValueError says what is wrong with an unusable path or file.
 
     ``attention_backend``: the kernels the model's layers call, or a name for ``kernels.get_backend``.
 
     ``linear_backend``: "onednn" packs every linear once for oneDNN, "torch" keeps ``F.linear``,
     "auto" packs where oneDNN runs the dtype natively (see engine.model.linear).
+
+    ``tp``: load only this rank's shard of a tensor-parallel model (see engine.model.parallel); a size that
+    does not split the model's heads evenly is a ValueError naming the valid ones.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     linear_impl = resolve_linear_backend(linear_backend, dtype, device)
     path, config, weights, tokenizer = _open(model)
     backend = get_backend(attention_backend, device) if isinstance(attention_backend, str) else attention_backend
-    net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype)
+    net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype, tp=tp)
     net.load_weights(weights)
     net.requires_grad_(False)
     net.eval()

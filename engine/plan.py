@@ -8,8 +8,29 @@ derived properties.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.request import Sequence, SequenceGroup
+
+
+class StepSeq(Protocol):
+    """What the runner reads of one scheduled sequence: ``ScheduledSeq`` on the scheduler's rank,
+    ``PlannedSeq`` on the other tensor-parallel ranks."""
+
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def num_new_tokens(self) -> int: ...
+    @property
+    def table_start(self) -> int: ...
+    @property
+    def new_blocks(self) -> tuple[int, ...]: ...
+    @property
+    def new_token_ids(self) -> list[int] | tuple[int, ...]: ...
+    @property
+    def samples(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -27,6 +48,32 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """Whether this step computes the sequence's last known token, whose logits pick the next."""
         return self.start + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_new_tokens]
+
+    def planned(self) -> PlannedSeq:
+        return PlannedSeq(self.seq_id, self.start, self.num_new_tokens, self.table_start, self.new_blocks,
+                          tuple(self.new_token_ids), self.samples)
+
+
+@dataclass(frozen=True)
+class PlannedSeq:
+    """A scheduled sequence as plain data, without the request behind it: what the step plan sent to the
+    other tensor-parallel ranks carries (they hold no requests)."""
+
+    seq_id: int
+    start: int
+    num_new_tokens: int
+    table_start: int
+    new_blocks: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
+    samples: bool
 
 
 @dataclass(frozen=True)
@@ -48,4 +95,4 @@ class SchedulerOutput:
         return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
-__all__ = ["ScheduledSeq", "SchedulerOutput"]
+__all__ = ["PlannedSeq", "ScheduledSeq", "SchedulerOutput", "StepSeq"]

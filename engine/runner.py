@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -19,7 +21,7 @@ from engine.config import CacheConfig
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata
 from engine.model.llama import LlamaForCausalLM
-from engine.plan import ScheduledSeq, SchedulerOutput
+from engine.plan import ScheduledSeq, SchedulerOutput, StepSeq
 from kernels import AttentionBackend
 
 
@@ -64,9 +66,9 @@ class BlockTables:
         self._row: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(range(rows - 1, -1, -1))
 
-    def update(self, item: ScheduledSeq) -> int:
+    def update(self, item: StepSeq) -> int:
         """Apply one sequence's update (idempotent: a step re-run after a fault applies it again); its row."""
-        seq_id = item.seq.seq_id
+        seq_id = item.seq_id
         row = self._row.get(seq_id)
         if row is None:
             if not self._free_rows:
@@ -92,13 +94,16 @@ class BlockTables:
         self._free_rows[:0] = range(new_rows - 1, old.shape[0] - 1, -1)
 
 
+S = TypeVar("S", bound=StepSeq)
+
+
 @dataclass(frozen=True)
-class ModelInput:
+class ModelInput(Generic[S]):
     input_ids: Tensor
     positions: Tensor
     attn_metadata: AttentionMetadata
     sample_rows: Tensor  # token row of each sampling sequence's last scheduled token
-    samplers: tuple[ScheduledSeq, ...]  # the sequences those rows belong to
+    samplers: tuple[S, ...]  # the sequences those rows belong to
 
 
 class ModelRunner:
@@ -143,9 +148,9 @@ class ModelRunner:
         """Forget a sequence's block table (it finished or was aborted)."""
         self.block_tables.free(seq_id)
 
-    def prepare(self, out: SchedulerOutput) -> ModelInput:
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+    def prepare(self, scheduled: Sequence[S]) -> ModelInput[S]:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
         order = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -153,11 +158,11 @@ class ModelRunner:
         query_start = [0]
         context_lens: list[int] = []
         sample_rows: list[int] = []
-        samplers: list[ScheduledSeq] = []
+        samplers: list[S] = []
         for item in order:
             start, end = item.start, item.start + item.num_new_tokens
             rows.append(self.block_tables.update(item))
-            input_ids.extend(item.seq.token_ids[start:end])
+            input_ids.extend(item.new_token_ids)
             positions.extend(range(start, end))
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
@@ -196,7 +201,11 @@ class ModelRunner:
         self.execute_block_plans(out)
         if not out.scheduled:
             return None, ()
-        inp = self.prepare(out)
+        return self.run(out.scheduled)
+
+    def run(self, scheduled: Sequence[S]) -> tuple[Tensor | None, tuple[S, ...]]:
+        """The forward pass of one step's sequences (their block plans already executed)."""
+        inp = self.prepare(scheduled)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata)
         if not inp.samplers:
             return None, ()

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import Linear, pack_weight, packed_linear
+from engine.model.parallel import TensorParallel, row_linear
 from kernels import AttentionBackend, ModelOps
 
 
@@ -87,12 +88,12 @@ class RotaryEmbedding(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, device, dtype)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias, device, dtype)
+        self.o_proj = row_linear(cfg.q_size, cfg.hidden_size, cfg.attention_out_bias, device, dtype, tp)
         self.attn = PagedAttention(layer_idx, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, backend)
         self.ops = backend.ops
 
@@ -110,10 +111,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ModelOps, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, ops: ModelOps, device: torch.device | str, dtype: torch.dtype,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, device, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, device, dtype)
+        self.down_proj = row_linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, device, dtype, tp)
         self.ops = ops
 
     def forward(self, x: Tensor) -> Tensor:
@@ -123,12 +125,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.self_attn = LlamaAttention(cfg, layer_idx, backend, device, dtype)
+        self.self_attn = LlamaAttention(cfg, layer_idx, backend, device, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.mlp = LlamaMLP(cfg, backend.ops, device, dtype)
+        self.mlp = LlamaMLP(cfg, backend.ops, device, dtype, tp)
         self.ops = backend.ops
 
     def forward(self, h: Tensor, residual: Tensor | None, kv_cache: Tensor, meta: AttentionMetadata, cos: Tensor,
@@ -148,11 +150,11 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, backend, device, dtype) for i in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, i, backend, device, dtype, tp) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
@@ -169,15 +171,18 @@ _FUSED = {
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
-        """Parameters are allocated uninitialized: call load_weights before use."""
+                 dtype: torch.dtype = torch.float32, tp: TensorParallel | None = None) -> None:
+        """Parameters are allocated uninitialized: call load_weights before use. ``tp``: build this rank's
+        shard of a tensor-parallel model (see engine.model.parallel); ``layer_config`` is then its share."""
         super().__init__()
         self.config = config
+        self.tp = tp
+        self.layer_config = config if tp is None else tp.local_config(config)
         self.dtype = dtype
-        self.model = LlamaModel(config, backend, device, dtype)
+        self.model = LlamaModel(self.layer_config, backend, device, dtype, tp)
         self.ops = backend.ops
-        self.lm_head = None if config.tie_word_embeddings else Linear(
-            config.hidden_size, config.vocab_size, False, device, dtype)
+        vocab = config.vocab_size if tp is None else tp.vocab_shard_size(config.vocab_size)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, vocab, False, device, dtype)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, device, dtype)
         self.lm_head_packed: Tensor | None = None
@@ -206,17 +211,24 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def _lm_head_weight(self) -> Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        tied = self.model.embed_tokens.weight  # whole on every rank: the LM head is its vocabulary slice
+        return tied if self.tp is None else self.tp.vocab_shard(tied)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
+        """float32 logits of the whole vocabulary (under tensor parallelism: on rank 0; the other ranks
+        get their own slice)."""
         if self.lm_head_packed is not None:
-            return packed_linear(hidden, self.lm_head_packed, None).float()
-        return F.linear(hidden, self._lm_head_weight()).float()
+            logits = packed_linear(hidden, self.lm_head_packed, None).float()
+        else:
+            logits = F.linear(hidden, self._lm_head_weight()).float()
+        return logits if self.tp is None else self.tp.gather_logits(logits, self.config.vocab_size)
 
     # ---- weights -------------------------------------------------------------------------------
 
     def shard_slices(self, fused: str) -> list[slice]:
-        c = self.config
+        c = self.layer_config
         if fused.endswith("qkv_proj"):
             q, kv = c.q_size, c.kv_size
             return [slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)]
@@ -239,6 +251,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if hf_name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store the copy anyway
+            if self.tp is not None:
+                tensor = self.tp.shard_weight(hf_name, tensor)
             stem, _, leaf = hf_name.rpartition(".")
             target, shard, rows = hf_name, 0, None
             for suffix, (fused, idx) in _FUSED.items():

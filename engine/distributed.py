@@ -1,0 +1,467 @@
+"""Tensor parallelism's processes: starting the ranks, the step plan each step sends them, their loop.
+
+Layout. Rank 0 is the engine: ``LLMEngine`` with its scheduler, block manager and sampler, and its own shard
+of the model (see ``engine.model.parallel``) run by ``DriverRunner``. Ranks 1..N-1 hold only a shard and a
+KV cache of their own KV heads with the same number of blocks, addressed by the same block ids; they run
+``_serve`` and never see a request. Each step rank 0 sends one ``StepPlan`` (the sequences' new tokens,
+positions and block-table changes, the swap and copy lists, the sequences forgotten since the last step) with
+``broadcast_object_list``; every rank then executes the block moves on its own cache and runs the same forward
+pass, whose all-reduces (after ``o_proj`` and ``down_proj``) and logits gather (to rank 0) meet in lockstep.
+Preemption is therefore all-or-nothing across ranks: it is a decision of rank 0's scheduler, and the plan
+carries its block moves to every rank.
+
+Two process groups: the default one (gloo on CPU, NCCL on CUDA) carries the model's collectives with a
+timeout of ``COLLECTIVE_TIMEOUT_S``, so a rank that hangs inside a step fails it instead of stalling the
+engine; a gloo group carries the plans (Python objects), with a long timeout because a worker waits there
+for as long as the engine idles.
+
+Launch. ``LLMEngine(tensor_parallel_size=N)`` spawns ranks 1..N-1 itself (``torch.multiprocessing``, spawn
+start method, rendezvous on a free local port). Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set, env://
+rendezvous), rank 0 joins the ranks torchrun started and the others run ``serve_launched_rank``: ``chatsvc
+serve`` calls it before anything else, and ``LLMEngine`` does when it is constructed on such a rank.
+
+Failure. A rank that dies makes rank 0 raise ``RankDiedError`` (an ``EngineDeadError``): spawned ranks are
+checked before every step, and a collective with a dead peer fails at once (its socket closes), one with a
+hung peer after the timeout. The engine cannot go on without a shard, so ``LLMEngine.step`` lets the error
+through instead of isolating requests, and the engine process exits (its supervisor starts a new one). A
+worker whose rank 0 is gone sees its plan broadcast fail and exits. An error inside the forward pass that
+every rank raises alike (a bad input) keeps the ranks in step: the workers skip the step as rank 0 does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import traceback
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.multiprocessing.spawn import ProcessContext, start_processes
+
+from engine.client import EngineDeadError
+from engine.config import CacheConfig, EngineConfig
+from engine.loader import load_model
+from engine.model import ModelConfig
+from engine.model.llama import LlamaForCausalLM
+from engine.model.parallel import CollectiveError, TensorParallel
+from engine.plan import PlannedSeq, ScheduledSeq, SchedulerOutput, StepSeq
+from engine.runner import ModelRunner
+from kernels import AttentionBackend, get_backend
+
+log = logging.getLogger("chatsvc.engine")
+
+COLLECTIVE_TIMEOUT_S = 120.0
+_PLAN_TIMEOUT = datetime.timedelta(days=3650)
+_JOIN_TIMEOUT_S = 10.0
+_EXIT_WAIT_S = 0.5
+
+BlockMoves = tuple[tuple[int, int], ...]
+
+
+class RankDiedError(EngineDeadError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot run without its shard."""
+
+
+# ---- messages (rank 0 -> workers) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    config: EngineConfig
+    dtype: torch.dtype
+    cache: CacheConfig
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's work for a worker, in the order rank 0 did it: forget, move blocks, run the forward pass."""
+
+    seqs: tuple[PlannedSeq, ...] = ()
+    freed: tuple[int, ...] = ()
+    blocks_to_swap_out: BlockMoves = ()
+    blocks_to_swap_in: BlockMoves = ()
+    blocks_to_copy: BlockMoves = ()
+
+    @property
+    def moves(self) -> SchedulerOutput:
+        return SchedulerOutput(blocks_to_swap_out=self.blocks_to_swap_out, blocks_to_swap_in=self.blocks_to_swap_in,
+                               blocks_to_copy=self.blocks_to_copy)
+
+
+@dataclass(frozen=True)
+class GatherTables:
+    """Every rank answers with its ``RankTables`` (tests and diagnostics)."""
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Message = Setup | StepPlan | GatherTables | Stop
+
+
+@dataclass
+class RankTables:
+    """What one rank's runner knows of the block tables: the blocks of every sequence it has not been told
+    to forget, and its cache's shape."""
+
+    rank: int
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    kv_cache_shape: tuple[int, ...] = ()
+    cpu_cache_shape: tuple[int, ...] = ()
+
+    def update(self, items: Sequence[StepSeq]) -> None:
+        for item in items:
+            blocks = self.tables.setdefault(item.seq_id, [])
+            del blocks[item.table_start :]
+            blocks.extend(item.new_blocks)
+
+    def free(self, seq_ids: tuple[int, ...] | list[int]) -> None:
+        for seq_id in seq_ids:
+            self.tables.pop(seq_id, None)
+
+
+# ---- process groups and threads ------------------------------------------------------------------
+
+
+def launched_rank() -> int | None:
+    """This process's rank when torchrun (or another env:// launcher) started it, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ["RANK"])
+    return None
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_per_rank(config: EngineConfig) -> int:
+    """Torch threads of each rank on this machine: the engine's threads (default: every core) split among the
+    machine's ranks, so they do not oversubscribe the cores."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) if launched_rank() is not None else 0
+    local_ranks = local_ranks or config.tensor_parallel_size
+    return max(1, (config.engine_threads or _cores()) // local_ranks)
+
+
+def _device(config: EngineConfig, rank: int) -> str:
+    if config.device != "cuda":
+        return config.device
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
+
+
+def _init_groups(rank: int, size: int, init_method: str, device: str) -> dist.ProcessGroup:
+    """The default group (the model's collectives) and the plans' gloo group, which is returned."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    group: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=_PLAN_TIMEOUT)
+    assert group is not None, "every rank is a member"
+    return group
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _may_start_children() -> Iterator[None]:
+    """multiprocessing refuses children to a daemonic process (the engine process the gateway spawns), so
+    that none outlives it. The ranks are daemonic themselves and exit when this process's end of their
+    process group closes, so the rule's concern is met; it is lifted while they start."""
+    proc = mp.current_process()
+    daemon = proc.daemon
+    if daemon:
+        proc.daemon = False
+    try:
+        yield
+    finally:
+        if daemon:
+            proc.daemon = True
+
+
+# ---- rank 0 --------------------------------------------------------------------------------------
+
+
+def _dead_rank(context: ProcessContext | None) -> str | None:
+    """A description of the first spawned rank that has exited, else None."""
+    for index, proc in enumerate(context.processes if context is not None else ()):
+        if not proc.is_alive():
+            return f"rank {index + 1} exited with code {proc.exitcode}"
+    return None
+
+
+class _Ranks:
+    """Rank 0's hold on the group: the processes it spawned (none under torchrun) and the plan group."""
+
+    def __init__(self, size: int, plan_group: dist.ProcessGroup, context: ProcessContext | None) -> None:
+        self.size = size
+        self.plan_group = plan_group
+        self.context = context
+        self.failed: str | None = None
+        self.closed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> _Ranks:
+        size = config.tensor_parallel_size
+        device = _device(config, 0)
+        if launched_rank() is not None:
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(f"tensor_parallel_size {size} differs from the launcher's WORLD_SIZE "
+                                 f"{os.environ['WORLD_SIZE']}")
+            return cls(size, _init_groups(0, size, "env://", device), None)
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine already runs in this process (one process group each)")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        with _may_start_children():
+            context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
+                _spawned_main, args=(init_method, config), nprocs=size - 1, join=False, daemon=True,
+                start_method="spawn")
+        try:
+            group = _init_groups(0, size, init_method, device)
+        except Exception as exc:
+            dead = _dead_rank(context)
+            for proc in context.processes:
+                proc.kill()
+            raise RankDiedError(f"tensor-parallel ranks did not join: {dead or exc}") from exc
+        return cls(size, group, context)
+
+    def dead_rank(self) -> str | None:
+        return _dead_rank(self.context)
+
+    def check(self) -> None:
+        if self.failed is None:
+            self.failed = self.dead_rank()
+        if self.failed is not None:
+            raise RankDiedError(f"tensor-parallel engine is down: {self.failed}")
+
+    def fail(self, exc: BaseException) -> RankDiedError:
+        for proc in self.context.processes if self.context is not None else ():
+            proc.join(_EXIT_WAIT_S)  # a killed peer's socket closes before its exit status is there to read
+        self.failed = self.dead_rank() or f"{type(exc).__name__}: {exc}"
+        return RankDiedError(f"tensor-parallel engine is down: {self.failed}")
+
+    def send(self, message: Message) -> None:
+        self.check()
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.plan_group)
+        except Exception as exc:
+            raise self.fail(exc) from exc
+
+    def gather(self, answer: Any) -> list[Any]:
+        answers: list[Any] = [None] * self.size
+        try:
+            dist.gather_object(answer, answers, dst=0, group=self.plan_group)
+        except Exception as exc:
+            raise self.fail(exc) from exc
+        return answers
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.failed is None and self.dead_rank() is None:
+            with contextlib.suppress(Exception):
+                dist.broadcast_object_list([Stop()], src=0, group=self.plan_group)
+        if self.context is not None:
+            for proc in self.context.processes:
+                proc.join(_JOIN_TIMEOUT_S if self.failed is None else 0)  # a failed group sent no Stop
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: runs its own shard as ``ModelRunner`` does, and before each forward pass sends the
+    other ranks the step's plan (the block moves executed since the last one included)."""
+
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, backend: AttentionBackend, cache: CacheConfig,
+                 dtype: torch.dtype, device: torch.device, ranks: _Ranks) -> None:
+        super().__init__(model, config, backend, cache, dtype, device)
+        self.ranks = ranks
+        self.mirror = RankTables(0, kv_cache_shape=tuple(self.kv_cache.shape),
+                                 cpu_cache_shape=tuple(self.cpu_cache.shape))
+        self._moves: list[SchedulerOutput] = []
+        self._freed: list[int] = []
+        self._finalizer = weakref.finalize(self, ranks.close)
+
+    @classmethod
+    def start(cls, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig, dtype: torch.dtype,
+              config: EngineConfig) -> DriverRunner:
+        """Start (or join) the other ranks, have them load their shards and allocate their caches."""
+        ranks = _Ranks.start(config)
+        try:
+            ranks.send(Setup(config, dtype, cache))
+            errors = [e for e in ranks.gather(None)[1:] if e is not None]
+            if errors:
+                raise RankDiedError(f"a tensor-parallel rank could not start: {errors[0]}")
+            return cls(model, model.layer_config, backend, cache, dtype, torch.device(config.device), ranks)
+        except BaseException:
+            ranks.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the other ranks and leave the process group (also done when the runner is collected)."""
+        self._finalizer()
+
+    def execute_block_plans(self, out: SchedulerOutput) -> None:
+        super().execute_block_plans(out)
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
+            self._moves.append(out)
+
+    def free_seq(self, seq_id: int) -> None:
+        super().free_seq(seq_id)
+        self._freed.append(seq_id)
+
+    def _send_plan(self, seqs: tuple[PlannedSeq, ...]) -> None:
+        """What rank 0 did since the last plan, then ``seqs``' forward pass: one message per step (more only
+        when an earlier step's moves never reached a forward pass)."""
+        moves = self._moves or [SchedulerOutput()]
+        for i, m in enumerate(moves):
+            self.ranks.send(StepPlan(
+                seqs=seqs if i == len(moves) - 1 else (), freed=tuple(self._freed) if i == 0 else (),
+                blocks_to_swap_out=m.blocks_to_swap_out, blocks_to_swap_in=m.blocks_to_swap_in,
+                blocks_to_copy=m.blocks_to_copy))
+        self.mirror.free(self._freed)
+        self._moves, self._freed = [], []
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[Tensor | None, tuple[ScheduledSeq, ...]]:
+        self.execute_block_plans(out)
+        self._send_plan(tuple(s.planned() for s in out.scheduled))
+        if not out.scheduled:
+            return None, ()
+        self.mirror.update(out.scheduled)
+        try:
+            return self.run(out.scheduled)
+        except Exception as exc:
+            if isinstance(exc, CollectiveError) or self.ranks.dead_rank() is not None:
+                raise self.ranks.fail(exc) from exc
+            raise  # the workers raised it too (see the module docstring)
+
+    def rank_tables(self) -> list[RankTables]:
+        """Every rank's view of the block tables, rank 0's first."""
+        if self._moves or self._freed:
+            self._send_plan(())
+        self.ranks.send(GatherTables())
+        answers: list[RankTables] = self.ranks.gather(None)
+        return [self.mirror, *answers[1:]]
+
+
+def make_runner(model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig, dtype: torch.dtype,
+                config: EngineConfig) -> ModelRunner:
+    """The engine's runner: ``ModelRunner`` alone, or rank 0's ``DriverRunner`` under tensor parallelism."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(model, model.layer_config, backend, cache, dtype, torch.device(config.device))
+    return DriverRunner.start(model, backend, cache, dtype, config)
+
+
+# ---- ranks 1..N-1 --------------------------------------------------------------------------------
+
+
+def _spawned_main(index: int, init_method: str, config: EngineConfig) -> None:
+    # Ctrl-C reaches the whole process group; rank 0 decides when the ranks stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(threads_per_rank(config))
+    rank, size = index + 1, config.tensor_parallel_size
+    _serve(rank, size, _init_groups(rank, size, init_method, _device(config, rank)))
+
+
+def serve_launched_rank(config: EngineConfig) -> None:
+    """Serve rank 0's steps as the rank torchrun started this process as (not 0); returns when rank 0 stops."""
+    rank = launched_rank()
+    if rank is None or rank == 0:
+        raise ValueError("serve_launched_rank runs on a launched rank other than 0")
+    if int(os.environ["WORLD_SIZE"]) != config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} differs from the launcher's "
+                         f"WORLD_SIZE {os.environ['WORLD_SIZE']}")
+    torch.set_num_threads(threads_per_rank(config))
+    group = _init_groups(rank, config.tensor_parallel_size, "env://", _device(config, rank))
+    _serve(rank, config.tensor_parallel_size, group)
+
+
+def _receive(group: dist.ProcessGroup) -> Message:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    message: Message = box[0]
+    return message
+
+
+def _serve(rank: int, size: int, group: dist.ProcessGroup) -> None:
+    """A worker's life: load its shard as Setup says, then run plans until Stop or until rank 0 is gone."""
+    try:
+        setup = _receive(group)
+        assert isinstance(setup, Setup), setup
+        try:
+            runner = _load_rank(rank, size, setup)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+            runner, error = None, f"rank {rank}: {type(exc).__name__}: {exc}"
+        dist.gather_object(error, None, dst=0, group=group)
+        if runner is None:
+            return
+        with torch.inference_mode():
+            _loop(runner, rank, group)
+    except Exception:  # noqa: BLE001 - rank 0 is gone or broke the group: nothing left to serve
+        log.debug("tensor-parallel rank %d stops: %s", rank, traceback.format_exc())
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _load_rank(rank: int, size: int, setup: Setup) -> ModelRunner:
+    config = setup.config
+    device = _device(config, rank)
+    backend = get_backend(config.attention_backend, device)
+    loaded = load_model(config.model, setup.dtype, device, backend, config.linear_backend,
+                        tp=TensorParallel(rank, size))
+    return ModelRunner(loaded.model, loaded.model.layer_config, backend, setup.cache, setup.dtype,
+                       torch.device(device))
+
+
+def _loop(runner: ModelRunner, rank: int, group: dist.ProcessGroup) -> None:
+    mirror = RankTables(rank, kv_cache_shape=tuple(runner.kv_cache.shape),
+                        cpu_cache_shape=tuple(runner.cpu_cache.shape))
+    while True:
+        message = _receive(group)
+        match message:
+            case StepPlan():
+                for seq_id in message.freed:
+                    runner.free_seq(seq_id)
+                mirror.free(message.freed)
+                runner.execute_block_plans(message.moves)
+                if message.seqs:
+                    mirror.update(message.seqs)
+                    try:
+                        runner.run(message.seqs)
+                    except CollectiveError:
+                        raise  # a peer is gone: so is the engine
+                    except Exception as exc:  # noqa: BLE001 - rank 0 raised it too and goes on
+                        log.warning("tensor-parallel rank %d: step failed (%s)", rank, exc)
+            case GatherTables():
+                dist.gather_object(mirror, None, dst=0, group=group)
+            case Stop():
+                return
+            case _:
+                raise RuntimeError(f"unexpected message {message!r}")
+
+
+__all__ = ["COLLECTIVE_TIMEOUT_S", "DriverRunner", "RankDiedError", "RankTables", "StepPlan", "launched_rank",
+           "make_runner", "serve_launched_rank", "threads_per_rank"]
