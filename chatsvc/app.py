@@ -127,7 +127,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     m = Metrics(engine)
     offload = Offload(engine)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
-                 metrics=m, personas=Personas(engine, store, settings),
+                 metrics=m, personas=Personas(engine, store, settings, offload),
                  turns=TurnRegistry(engine, store, m, settings, offload), offload=offload,
                  quotas=Quotas(settings, m, engine))
 

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import Any
 
 from chatsvc.errors import APIError
+from chatsvc.offload import Offload
 from chatsvc.settings import Settings
 from chatsvc.store import P, Store
 from engine.client import EngineClient
@@ -84,10 +85,12 @@ def _own_key(owner: str) -> str:
 class Personas:
     """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
-    def __init__(self, engine: EngineClient, store: Store, settings: Settings | None = None) -> None:
+    def __init__(self, engine: EngineClient, store: Store, settings: Settings | None = None,
+                 offload: Offload | None = None) -> None:
         self.engine = engine
         self.store = store
         self.settings = settings or Settings()
+        self.offload = offload  # where a PUT's prompt is tokenized (off the event loop), when given
         # pin key -> pinned tokens, least recently used first.
         self.pinned: OrderedDict[str, int] = OrderedDict()
 
@@ -117,7 +120,7 @@ class Personas:
         """Store and pin a persona (shared when written by an admin); (created, pinned tokens).
 
         Everything that can refuse it runs first, so a refused persona leaves nothing behind."""
-        ids = system_prefix_ids(self.engine.tokenizer, body["system_prompt"])
+        ids = await self._prefix_ids(body["system_prompt"])
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise APIError(400, f"the persona's prompt is {len(ids)} tokens; the context is {limit}",
@@ -169,7 +172,7 @@ class Personas:
         await self.store.seed_personas(DEFAULT_PERSONAS)
         for name, body in (await self.store.list_personas()).items():
             try:
-                ids = system_prefix_ids(self.engine.tokenizer, body["system_prompt"])
+                ids = await self._prefix_ids(body["system_prompt"])
                 if len(ids) >= self.engine.max_model_len:
                     raise ValueError(f"{len(ids)} prompt tokens do not fit the context ({self.engine.max_model_len})")
                 await self._pin(pin_key(name), ids)
@@ -178,10 +181,15 @@ class Personas:
 
     async def pin(self, name: str, system_prompt: str) -> int:
         """Pin a shared persona's prefix (used by tests and tools; routes go through :meth:`put`)."""
-        return await self._pin(pin_key(name), system_prefix_ids(self.engine.tokenizer, system_prompt))
+        return await self._pin(pin_key(name), await self._prefix_ids(system_prompt))
 
     async def unpin(self, name: str) -> None:
         self._unpin(pin_key(name))
+
+    async def _prefix_ids(self, system_prompt: str) -> list[int]:
+        if self.offload is None:
+            return system_prefix_ids(self.engine.tokenizer, system_prompt)
+        return await self.offload.run(system_prefix_ids, self.offload.tokenizer, system_prompt)
 
     async def _pin(self, key: str, ids: list[int]) -> int:
         self._unpin(key)

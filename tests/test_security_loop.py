@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -163,3 +164,18 @@ def test_raw_parts_are_inserted_as_they_are() -> None:
     entry = {"token": "a", "top": [1, 2]}
     obj = {"choices": [{"logprobs": {"content": [Raw(json.dumps(entry))] * 3}}]}
     assert json.loads(dumps_in_pieces(obj)) == {"choices": [{"logprobs": {"content": [entry] * 3}}]}
+
+
+def test_a_persona_prompt_is_tokenized_off_the_event_loop(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = server.engine.tokenizer  # type: ignore[attr-defined]
+    real = tokenizer.apply_chat_template
+    seen: list[str] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
+    r = httpx.put(server.url + "/v1/personas/loop-check", json={"system_prompt": "You answer tersely. " * 20})
+    assert r.status_code in (200, 201), r.text
+    assert seen and all(name.startswith("chatsvc-cpu") for name in seen), seen
