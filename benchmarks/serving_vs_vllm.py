@@ -601,18 +601,14 @@ def main() -> int:
         final["persona_prefix_ratio"] = ratio(on, off)
     if "ours_thread" in results:
         final["engine_process_over_thread"] = ratio(served, pick(results, "ours_thread", "32", "output_tok_s"))
-    if a.compare_env:
-        final["env_variants"] = {
-            spec: {"tok_s": pick(results, f"ours_env{i}", "32", "output_tok_s"),
-                   "itl_p50": pick(results, f"ours_env{i}", "32", "itl_ms", "p50"),
-                   "over_default": ratio(pick(results, f"ours_env{i}", "32", "output_tok_s"), served)}
-            for i, spec in enumerate(a.compare_env, 1)}
-    if a.compare_flags:
-        final["flag_variants"] = {
-            spec: {"tok_s": pick(results, f"ours_flags{i}", "32", "output_tok_s"),
-                   "itl_p50": pick(results, f"ours_flags{i}", "32", "itl_ms", "p50"),
-                   "over_default": ratio(pick(results, f"ours_flags{i}", "32", "output_tok_s"), served)}
-            for i, spec in enumerate(a.compare_flags, 1)}
+    for field_name, prefix, specs in (("env_variants", "ours_env", a.compare_env),
+                                      ("flag_variants", "ours_flags", a.compare_flags)):
+        if specs:
+            final[field_name] = {
+                spec: {"tok_s": pick(results, f"{prefix}{i}", "32", "output_tok_s"),
+                       "itl_p50": pick(results, f"{prefix}{i}", "32", "itl_ms", "p50"),
+                       "over_default": ratio(pick(results, f"{prefix}{i}", "32", "output_tok_s"), served)}
+                for i, spec in enumerate(specs, 1)}
 
     md = [f"# Serving: chatsvc vs vLLM, {stamp}{' (QUICK: plumbing only, not a measurement)' if a.quick else ''}",
           "", f"- machine: {host.line()}",
