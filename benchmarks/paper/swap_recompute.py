@@ -19,7 +19,8 @@ End to end (``--end-to-end``): auto against both fixed modes on the real engine 
 the batch, on two workloads meant to favour one fixed mode each: long prompts with ample swap space (a swap
 keeps a long prefill's work) and short prompts with swap space for about one request (swapping stalls
 admission while a group waits in the CPU pool, and "swap" falls back to recompute when the pool is full).
-Reported: output tokens per second of each mode over the best fixed mode's (a ratio), and the preemptions.
+Reported: output tokens per second of each mode (the better of two rounds) over the best fixed mode's (a
+ratio), and the preemptions.
 
 Usage: python benchmarks/paper/swap_recompute.py [--block-sizes 1,2,4,8,16,32,64,128,256] [--context 1024]
            [--contexts 128,256,512,1024,1920] [--repeats 3] [--end-to-end] [--output docs/paper/swap_recompute.txt]
@@ -121,7 +122,7 @@ class EndToEnd:
 
 # name: (requests, prompt tokens, output tokens, device KV blocks, swap space in MiB)
 WORKLOADS = {
-    "long prompts, ample swap": (12, 480, 24, 80, 256),
+    "long prompts, ample swap": (8, 400, 160, 96, 256),
     "short prompts, little swap": (24, 48, 48, 24, 4),
 }
 
@@ -129,10 +130,14 @@ WORKLOADS = {
 def end_to_end(scale: float) -> list[EndToEnd]:
     from engine.engine import LLMEngine
 
-    runs = []
+    runs: list[EndToEnd] = []
     for name, (requests, prompt, output, blocks, swap_mb) in WORKLOADS.items():
         requests = max(2, round(requests * scale))
-        for mode in ("swap", "recompute", "auto"):
+        # Two rounds, each mode once per round, the better of its two kept: the first engine in a process pays
+        # for oneDNN's kernels for every new batch shape, which would otherwise count against whichever mode
+        # runs first.
+        tried: dict[str, EndToEnd] = {}
+        for mode in ("swap", "recompute", "auto") * 2:
             engine = LLMEngine.from_args(num_kv_blocks=blocks, swap_space_mb=swap_mb, preemption_mode=mode,
                                          enable_prefix_caching=False, max_model_len=1024,
                                          max_waiting=requests + 1)
@@ -148,8 +153,11 @@ def end_to_end(scale: float) -> list[EndToEnd]:
             while engine.has_unfinished():
                 engine.step()
             stats = engine.stats()
-            runs.append(EndToEnd(name, mode, requests * output / (time.perf_counter() - start),
-                                 stats["preemptions_swap"], stats["preemptions_recompute"]))
+            run = EndToEnd(name, mode, requests * output / (time.perf_counter() - start),
+                           stats["preemptions_swap"], stats["preemptions_recompute"])
+            if mode not in tried or run.tokens_per_s > tried[mode].tokens_per_s:
+                tried[mode] = run
+        runs += tried.values()
         best = max(r.tokens_per_s for r in runs if r.workload == name and r.mode != "auto")
         for r in runs:
             if r.workload == name:
