@@ -31,13 +31,15 @@ class Offload:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="chatsvc-cpu")
 
     async def warm(self) -> None:
-        """Give every worker thread its own tokenizer copy now, at start-up: making one holds the GIL for
-        a few tenths of a second (engine.tokenizer.Tokenizer), which would otherwise stall live traffic."""
+        """Give every worker thread its own tokenizer copy now, at start-up, and render a chat template with
+        it: making one, and its first render, hold the GIL for a few tenths of a second
+        (engine.tokenizer.Tokenizer), which would otherwise stall live traffic."""
         barrier = threading.Barrier(self.workers)
 
         def touch() -> None:
             barrier.wait(timeout=30)  # one task per thread: none finishes before all have started
-            _ = getattr(self.tokenizer, "hf", None)
+            # A chat template rendered once: the thread's first render also costs tenths of a second.
+            self.tokenizer.apply_chat_template([{"role": "user", "content": "warm-up"}])
 
         await asyncio.gather(*(self.run(touch) for _ in range(self.workers)))
 

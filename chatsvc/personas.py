@@ -172,7 +172,8 @@ class Personas:
         await self.store.seed_personas(DEFAULT_PERSONAS)
         for name, body in (await self.store.list_personas()).items():
             try:
-                ids = await self._prefix_ids(body["system_prompt"])
+                # At start-up, before most traffic: on the loop, where the tokenizer is already warm.
+                ids = system_prefix_ids(self.engine.tokenizer, body["system_prompt"])
                 if len(ids) >= self.engine.max_model_len:
                     raise ValueError(f"{len(ids)} prompt tokens do not fit the context ({self.engine.max_model_len})")
                 await self._pin(pin_key(name), ids)
@@ -181,7 +182,7 @@ class Personas:
 
     async def pin(self, name: str, system_prompt: str) -> int:
         """Pin a shared persona's prefix (used by tests and tools; routes go through :meth:`put`)."""
-        return await self._pin(pin_key(name), await self._prefix_ids(system_prompt))
+        return await self._pin(pin_key(name), system_prefix_ids(self.engine.tokenizer, system_prompt))
 
     async def unpin(self, name: str) -> None:
         self._unpin(pin_key(name))
