@@ -3,7 +3,6 @@ over real gloo ranks that gives the unsharded model's logits."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -66,18 +65,12 @@ def test_vocab_shards_are_padded_to_equal_size() -> None:
     assert shards[2][2:].abs().sum() == 0  # padding rows give logits that the gather cuts off
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _sharded_logits(rank: int, size: int, port: int, cases: list[tuple[str, str, str]]) -> None:
+def _sharded_logits(rank: int, size: int, store: str, cases: list[tuple[str, str, str]]) -> None:
     """One rank: for each (model, linear backend, output) load its shard and prefill two prompts into its own
     KV cache; rank 0 saves the logits."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    # A file rendezvous: a port picked free and bound later by rank 0 can be taken meanwhile.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
     try:
         for model_dir, linear_backend, out in cases:
             lm = load_model(model_dir, linear_backend=linear_backend, tp=TensorParallel(rank, size))
@@ -103,7 +96,7 @@ def test_sharded_forward_gives_the_whole_models_logits(tmp_path: Path) -> None:
              (make_tiny_model_dir(tmp_path, "qwen2"), "torch")]
     outs = [tmp_path / f"logits-{i}.pt" for i in range(len(cases))]
     args = [(str(d), backend, str(out)) for (d, backend), out in zip(cases, outs, strict=True)]
-    torch_mp.spawn(_sharded_logits, args=(2, _free_port(), args), nprocs=2)
+    torch_mp.spawn(_sharded_logits, args=(2, str(tmp_path / "rendezvous"), args), nprocs=2)
     for (model_dir, linear_backend), out in zip(cases, outs, strict=True):
         saved = torch.load(out)
         whole = load_model(str(model_dir), linear_backend=linear_backend)
