@@ -57,6 +57,17 @@ def test_sizes_are_measured_apart() -> None:
     assert gov.group(32) == gov.group(63) != gov.group(64)
 
 
+def test_prefill_sized_steps_always_run_on_all_threads() -> None:
+    # A retry on one thread would be a whole prefill chunk at half speed, which every request of the chunk
+    # waits for: large steps are never retried, even when a smaller size measured one thread faster.
+    gov = ThreadGovernor(2, all_threads_from=512)
+    busy = {2: 0.9, 1: 0.3}
+    assert [run(gov, 2048, 0.5 * i, busy) for i in range(10)] == [2] * 10
+    assert [run(gov, 511, 10 + 0.5 * i, busy) for i in range(2)] == [2, 1]
+    assert gov.choose(512, 20.0) == 2
+    assert all("2048" not in key for key in gov.stats())
+
+
 def test_a_winning_retry_resets_the_interval() -> None:
     gov = ThreadGovernor(2, retry_s=1.0, max_retry_s=8.0)
     t = 0.0
