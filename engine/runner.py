@@ -20,6 +20,7 @@ from torch import Tensor
 from engine.config import CacheConfig
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata
+from engine.model.linear import gemm_rows
 from engine.model.llama import LlamaForCausalLM
 from engine.plan import ScheduledSeq, SchedulerOutput, StepSeq
 from kernels import AttentionBackend
@@ -129,6 +130,8 @@ class ModelRunner:
         cpu_shape = (config.num_layers, 2, cache.num_cpu_blocks, *per_block)
         self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
         self.block_tables = BlockTables()
+        # Packed (oneDNN) linears pay for every new row count; F.linear and GPU GEMMs do not.
+        self.pad_rows = model.lm_head_packed is not None
 
     # -- block plans ----------------------------------------------------------------------------
     def _mapping(self, pairs: tuple[tuple[int, int], ...]) -> Tensor:
@@ -178,6 +181,11 @@ class ModelRunner:
         seq_of_token = torch.repeat_interleave(torch.arange(len(order)), new_tokens)
         slots = tables[seq_of_token, pos // bs].long() * bs + pos % bs
         dev = self.device
+        num_tokens = len(input_ids)
+        rows_run = gemm_rows(num_tokens) if self.pad_rows else num_tokens
+        if rows_run > num_tokens:  # padding: token 0 at position 0, neither stored nor attended from
+            input_ids.extend([0] * (rows_run - num_tokens))
+            pos = torch.cat((pos, pos.new_zeros(rows_run - num_tokens)))
         meta = AttentionMetadata(
             slot_mapping=slots.to(dev),
             block_tables=tables.to(dev),
@@ -186,6 +194,7 @@ class ModelRunner:
             num_decodes=len(decodes),
             max_query_len=max(s.num_new_tokens for s in order),
             max_context_len=max_context_len,
+            num_tokens=num_tokens if rows_run > num_tokens else None,
         )
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),

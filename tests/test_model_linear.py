@@ -75,3 +75,13 @@ def test_loaded_model_packs_every_linear(tmp_path: Path, backend: str) -> None:
     assert layers
     assert all((m.packed is not None) == (backend == "onednn") for m in layers)
     assert (lm.model.lm_head_packed is not None) == (backend == "onednn")
+
+
+def test_gemm_rows_keeps_few_shapes_at_a_small_padding_cost() -> None:
+    assert [linear.gemm_rows(t) for t in (1, 7, 64)] == [1, 7, 64]  # decode batches stay exact
+    padded = {t: linear.gemm_rows(t) for t in range(65, 4097)}
+    assert all(p >= t for t, p in padded.items())
+    assert max((p - t) / t for t, p in padded.items()) < 0.25
+    assert max((p - t) / t for t, p in padded.items() if t >= 512) < 1 / 16
+    assert len(set(padded.values())) <= 80  # vs 4032 row counts, each a new oneDNN primitive per weight
+    assert linear.gemm_rows(2048) == 2048 and linear.gemm_rows(4096) == 4096

@@ -20,6 +20,9 @@ class AttentionMetadata:
     num_decodes: int  # sequences [0, num_decodes) are single-token decodes; they come first
     max_query_len: int
     max_context_len: int
+    # Real tokens when the step's rows are padded (see engine.model.linear.gemm_rows): rows past it are
+    # padding that attention neither stores nor attends from. None: every row is a real token.
+    num_tokens: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -87,6 +90,15 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        t = meta.num_tokens
+        if t is None or t == q.shape[0]:
+            return self._attend(q, k, v, kv_cache, meta)
+        # Padding rows only keep the step's GEMM shapes few; whatever they hold is never read back.
+        out = q.new_empty(q.shape)
+        out[:t] = self._attend(q[:t], k[:t], v[:t], kv_cache, meta)
+        return out
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: Tensor, meta: AttentionMetadata) -> Tensor:
         k_cache = kv_cache[self.layer_idx, 0]
         v_cache = kv_cache[self.layer_idx, 1]
         be = self.backend
