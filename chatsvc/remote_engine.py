@@ -231,13 +231,15 @@ class RemoteEngine(EngineClient):
         finished = False
         failover = False
         detok: IncrementalDetokenizer | None = None  # after a failover: the text as one worker would have made it
+        refused: set[str] = set()  # workers whose queue was full for this request
         try:
             while True:
-                worker = await self._place(session_id, pin, failover)
+                worker = await self._place(session_id, pin, failover, refused)
                 base = len(streamed)
+                answered = False
                 where = (worker.worker, secrets.token_hex(8))
                 msg = Generate(request_id, where[1], self._rest(params, base), prompt_ids + streamed, pin)
-                await self._send(worker.worker, msg, session_id)
+                await self._send(worker.worker, msg, session_id, base, len(prompt_ids))
                 try:
                     async for delta in self._read(*where):
                         if base:
@@ -247,11 +249,23 @@ class RemoteEngine(EngineClient):
                         cut = detok is not None and self._retext(detok, delta)
                         if params.n == 1:
                             streamed.extend(delta.token_ids)
+                        answered = True
                         yield delta
                         if delta.request_finished:
                             finished = not cut  # a stream cut here still runs on its worker
                             return
                     raise WorkerLost("the output stream ended without the request's end")
+                except QueueFullError:
+                    if answered:
+                        raise
+                    # Refused before it started: another worker may have room; 429 once every one is full.
+                    self._pending[worker.worker] -= 1
+                    await self._end(request_id, where, aborted=False)
+                    where = None
+                    refused.add(worker.worker)
+                    if all(w in refused for w, beat in self.workers.items() if not beat.draining):
+                        raise
+                    log.info("worker %s refused request %s (queue full); trying another", worker.worker, request_id)
                 except WorkerLost as exc:
                     self._pending[worker.worker] -= 1
                     await self._end(request_id, where, aborted=False)  # its worker is gone: nothing to abort
@@ -293,7 +307,10 @@ class RemoteEngine(EngineClient):
         if not done:
             return params
         max_tokens = None if params.max_tokens is None else max(1, params.max_tokens - done)
-        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done))
+        # A seeded row draws one number per token: the new worker's generator skips the ``done`` drawn before.
+        offset = params.seed_offset + done if params.seed is not None else params.seed_offset
+        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done),
+                                   seed_offset=offset)
 
     def _pin_of(self, prompt_ids: list[int]) -> str | None:
         """The longest pinned prefix the prompt starts with (a persona's system prompt)."""
@@ -303,14 +320,16 @@ class RemoteEngine(EngineClient):
                 best = (len(ids), key)
         return best[1] if best else None
 
-    async def _place(self, session_id: str | None, pin: str | None, failover: bool) -> Beat:
+    async def _place(self, session_id: str | None, pin: str | None, failover: bool,
+                     refused: set[str] | frozenset[str] = frozenset()) -> Beat:
         session_worker = None
         if session_id is not None and not failover:
             session_worker = await self.r.get(self.keys.session(session_id))
         deadline = time.monotonic() + self.wait_for_worker_s
         while True:
             raise_if_cancelled()
-            worker = self.router.choose(list(self.workers.values()), pending=self._pending, pinning=self._pinning,
+            candidates = [b for b in self.workers.values() if b.worker not in refused]
+            worker = self.router.choose(candidates, pending=self._pending, pinning=self._pinning,
                                         session_worker=session_worker, pin=pin, failover=failover)
             if worker is not None:
                 if pin is not None and pin not in worker.pins:
@@ -321,10 +340,11 @@ class RemoteEngine(EngineClient):
                 raise EngineDeadError("no engine worker is alive")
             await asyncio.sleep(self.poll_s)
 
-    async def _send(self, worker: str, msg: Generate, session_id: str | None) -> None:
+    async def _send(self, worker: str, msg: Generate, session_id: str | None, base: int, prompt_len: int) -> None:
         k = self.keys
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(k.request(msg.request_id), json.dumps({"worker": worker, "dispatch": msg.dispatch}), ex=ROUTE_TTL_S)
+        route = {"worker": worker, "dispatch": msg.dispatch, "base": base, "prompt_tokens": prompt_len}
+        pipe.set(k.request(msg.request_id), json.dumps(route), ex=ROUTE_TTL_S)
         if session_id is not None:
             pipe.set(k.session(session_id), worker, ex=self.session_ttl_s)
         pipe.xadd(k.requests(worker), encode(msg))
@@ -365,6 +385,47 @@ class RemoteEngine(EngineClient):
             await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - the stream is over either way; its keys expire
             log.warning("could not clean up request %s: %r", request_id, exc)
+
+    async def adopt(self, request_id: str, after_tokens: int) -> AsyncGenerator[RequestDelta, None] | None:
+        """Take over the stream of a request another gateway dispatched and stopped reading (it died): its
+        deltas after the first ``after_tokens`` output tokens, read from the dispatch's output stream, which
+        the worker writes whether anyone reads it or not. None when no dispatch of it is recorded."""
+        if not self._started:
+            raise EngineDeadError("the gateway's engine client is not started")
+        raw = await self.r.get(self.keys.request(request_id))
+        if raw is None:
+            return None
+        route = json.loads(raw)
+        return self._adopted(request_id, route["worker"], route["dispatch"], int(route.get("base", 0)),
+                             int(route.get("prompt_tokens", 0)), after_tokens)
+
+    async def _adopted(self, request_id: str, worker: str, dispatch: str, base: int, prompt_len: int,
+                       after: int) -> AsyncGenerator[RequestDelta, None]:
+        where = (worker, dispatch)
+        finished = False
+        self._pending[worker] += 1
+        try:
+            async for delta in self._read(worker, dispatch):
+                delta.completion_tokens += base
+                if prompt_len:
+                    delta.prompt_tokens = prompt_len
+                    delta.cached_tokens = min(delta.cached_tokens, prompt_len)
+                if delta.completion_tokens <= after:
+                    if not delta.request_finished:
+                        continue  # passed on by the gateway that died
+                    # Its tokens went out already; what is left to say is how the request ended.
+                    delta.text, delta.token_ids, delta.logprobs = "", [], None
+                yield delta
+                if delta.request_finished:
+                    finished = True
+                    return
+            raise WorkerLost("the output stream ended without the request's end")
+        except WorkerLost as exc:
+            finished = True  # its worker is gone: nothing to abort
+            raise EngineDeadError(f"engine worker {worker} of an adopted request was lost: {exc}") from None
+        finally:
+            self._pending[worker] -= 1
+            await self._end(request_id, where, aborted=not finished)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it runs (this gateway's or another's)."""
