@@ -37,13 +37,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def stack(redis_proc, tiny: Path) -> Iterator[tuple[Serve, Serve, WorkerProc]]:  # noqa: F811
     redis.Redis.from_url(redis_proc.url).flushdb()
-    worker = WorkerProc(redis_proc.url, str(tiny), "w", *WORKER_FLAGS)
+    worker = WorkerProc(redis_proc.url, str(tiny), "w", *WORKER_FLAGS, ttl_s=6.0)
     gateways = [Serve(str(tiny), free_port(), redis_proc.url, "--engine", "redis", "--abort-grace", str(GRACE_S))
                 for _ in range(2)]
     try:
         worker.wait_registered()
         for g in gateways:
             g.start()
+        # A first turn pins the default persona on the worker: what is free at idle from then on.
+        sid = session(gateways[1].url)
+        httpx.post(f"{gateways[1].url}/v1/sessions/{sid}/messages", json=ask(sid, 4), timeout=120).read()
+        wait_for(lambda: (beat := worker.beat()) is not None and bool(beat.pins)
+                 and beat.stats["requests_running"] == 0)
+        time.sleep(1.0)
+        beat = worker.beat()
+        assert beat is not None
+        FREE_AT_IDLE[worker.id] = beat.free_blocks
         yield gateways[0], gateways[1], worker
     finally:
         for g in gateways:
@@ -52,10 +61,13 @@ def stack(redis_proc, tiny: Path) -> Iterator[tuple[Serve, Serve, WorkerProc]]: 
 
 
 def idle_and_free(w: WorkerProc) -> bool:
+    """No request on the worker, and every block free but those of the persona it pinned (the warm-up's)."""
     beat = w.beat()
     assert beat is not None
-    return beat.stats["requests_running"] == 0 and beat.free_blocks == beat.stats["kv_blocks_total"] - 2 * len(
-        beat.pins)
+    return beat.stats["requests_running"] == 0 and beat.free_blocks == FREE_AT_IDLE[w.id]
+
+
+FREE_AT_IDLE: dict[str, int] = {}
 
 
 def wait_for(cond: Any, timeout_s: float = 30.0) -> None:
@@ -99,7 +111,7 @@ class SSE:
         self.cm.__exit__(None, None, None)
 
 
-def ask(base: str, sid: str, max_tokens: int) -> dict[str, Any]:
+def ask(sid: str, max_tokens: int) -> dict[str, Any]:
     return {"content": "Tell me everything.", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
@@ -111,7 +123,7 @@ def test_cancel_through_the_other_gateway_aborts_on_the_worker(stack: tuple[Serv
     a, b, worker = stack
     sid = session(a.url)
     with httpx.Client() as client:
-        reply = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(a.url, sid, 3500))
+        reply = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(sid, 3500))
         assert reply.next()[1]["type"] == "delta"
         assert httpx.get(f"{b.url}/v1/sessions/{sid}", timeout=10).json()["busy"]
         cancelled = httpx.post(f"{b.url}/v1/sessions/{sid}/cancel", timeout=60).json()
@@ -130,7 +142,7 @@ def test_a_reader_on_the_other_gateway_holds_the_turn_through_the_grace(stack: t
     a, b, worker = stack
     sid = session(a.url)
     with httpx.Client() as client:
-        first = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(a.url, sid, 3500))
+        first = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(sid, 3500))
         eid, ev = first.next()
         first.close()  # the last reader on A leaves: A's grace starts
         resumed = SSE(client, "GET", f"{b.url}/v1/sessions/{sid}/stream", headers={"Last-Event-ID": eid})
@@ -150,11 +162,11 @@ def test_a_gateway_killed_mid_reply_hands_the_turn_to_the_other(stack: tuple[Ser
     a, b, worker = stack
     reference_sid = session(b.url)
     with httpx.Client() as client:
-        ref = SSE(client, "POST", f"{b.url}/v1/sessions/{reference_sid}/messages", json=ask(b.url, "", 600))
+        ref = SSE(client, "POST", f"{b.url}/v1/sessions/{reference_sid}/messages", json=ask("", 600))
         reference = ref.rest()[-1][1]
         ref.close()
         sid = session(a.url)
-        reply = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(a.url, sid, 600))
+        reply = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(sid, 600))
         seen = [reply.next() for _ in range(3)]
         a.kill9()
         with pytest.raises(httpx.HTTPError):  # the dead gateway's stream breaks off
