@@ -18,12 +18,32 @@ dispatched again, to another worker, with the prompt plus the tokens already str
 ``max_tokens`` (and of ``min_tokens``). The new worker recomputes those tokens' KV as a prompt (the path a
 recompute preemption takes) and continues; deltas keep counting prompt and completion tokens of the
 original request, so the caller sees one stream with no token twice and none missing. Greedy sampling
-gives the same reply as an uninterrupted run. The new worker decodes only its own tokens, so after a
-failover the gateway re-derives each delta's text with one detokenizer over all the reply's tokens (a
-character split over the failover point is whole, a stop string straddling it ends the stream). Not exact
-across a failover, and documented as such: a seeded sampled stream restarts its generator (from the seed,
-not from its position) and output-token penalties (presence, frequency) no longer see the tokens before the
-failover. A request of ``n > 1`` fails with ``EngineDeadError`` instead.
+gives the same reply as an uninterrupted run. A seeded sampled stream goes on where it was: the sampler
+draws one number per token from a seeded row's generator, so the re-dispatch carries the count of tokens
+already sampled (``SamplingParams.seed_offset``) and the new worker's generator skips that many draws; the
+reply equals an uninterrupted run's with the same seed. The new worker decodes only its own tokens, so
+after a failover the gateway re-derives each delta's text with one detokenizer over all the reply's tokens
+(a character split over the failover point is whole, a stop string straddling it ends the stream). Not
+exact across a failover, and documented as such: output-token penalties (presence, frequency) no longer see
+the tokens before the failover (they are prompt tokens there). A request of ``n > 1`` fails with
+``EngineDeadError`` instead.
+
+A full queue. A worker that refuses a request before it started (``QueueFullError``) is left out and the
+request placed again among the others; only when every live worker refused it does the caller get
+``QueueFullError`` (the gateway's 429).
+
+Take-over (``adopt``). A worker writes a request's output stream whether anyone reads it or not, and
+``route:request:{rid}`` names the dispatch (with the tokens streamed before it, after a failover). When the
+gateway that dispatched a request dies, another gateway's session turns (``chatsvc.turns``) take the turn
+over and call ``adopt`` with the count of tokens the dead gateway passed on: the stream is read from its
+start and the deltas up to that count skipped (the dead gateway stored one event per delta, so the count
+falls on a delta boundary). Not built: an adopted stream whose worker dies too is not dispatched again (the
+turn ends with the reply so far), and output streams are not trimmed as they are read (take-over needs them
+whole; each expires ``OUT_TTL_S`` after its request ends).
+
+Bounded output. The stream is pulled: the gateway XREADs a batch (at most 256 entries) only when its caller
+asks for the next delta, so a caller that never reads holds one batch in the gateway; the rest waits in
+Redis, where a request's output is bounded by its own ``max_tokens`` (and the context length).
 """
 
 from __future__ import annotations

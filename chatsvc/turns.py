@@ -313,7 +313,11 @@ class TurnRegistry:
         done = sum(int(ev.get("tokens", 0)) for _, ev, _ in at.log if ev.get("type") == "delta")
         if any(ev.get("type") in TERMINAL for _, ev, _ in at.log):
             return  # it ended after all (the lock's release is what was lost): the next sweep recovers it
-        stream = await self.engine.adopt(at.request_id, done)
+        try:
+            stream = await self.engine.adopt(at.request_id, done)
+        except Exception as exc:  # noqa: BLE001 - the lock is ours now: the turn is stored either way
+            log.warning("could not take over the request of %s: %r", at.request_id, exc)
+            stream = None
         log.warning("took over turn %s of a dead gateway after %d tokens (%s)", at.request_id, done,
                     "relaying the rest" if stream is not None else "its request is gone: storing it interrupted")
         self.active[sid] = at
