@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatsvc.router import Router
-from engine.client import EngineClient, EngineDeadError
+from engine.client import EngineClient, EngineDeadError, StreamCounters, StreamLimits, StreamOverflowError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import SamplingParams
 from engine.scheduler import QueueFullError
@@ -106,10 +106,24 @@ class WorkerLost(Exception):
     """The worker of a dispatch died, or left without running it: dispatch it again elsewhere."""
 
 
+@dataclasses.dataclass
+class _Reader:
+    """How far the caller of one open stream has read, for the slow-reader bound."""
+
+    worker: str
+    dispatch: str
+    base: int  # output tokens of earlier dispatches (failover)
+    per_token: int  # entries one token costs: itself and its logprob alternatives
+    read: int = 0  # output tokens handed to the caller
+    pulled: float = dataclasses.field(default_factory=time.monotonic)
+    overflowed: bool = False
+
+
 class RemoteEngine(EngineClient):
     def __init__(self, redis: Any, tokenizer: Tokenizer, model_name: str, *, max_model_len: int = 2048,
                  keys: Keys | None = None, router: Router | None = None, session_ttl_s: int = 7 * 24 * 3600,
-                 poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S) -> None:
+                 poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S,
+                 stream_limits: StreamLimits | None = None) -> None:
         self.r = redis
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -120,6 +134,9 @@ class RemoteEngine(EngineClient):
         self.poll_s = poll_s
         self.wait_for_worker_s = wait_for_worker_s
         self.workers: dict[str, Beat] = {}  # the live workers' last beats
+        self.stream_limits = stream_limits or StreamLimits()
+        self.stream_counters = StreamCounters()
+        self._readers: dict[str, _Reader] = {}  # request id -> its caller's progress (streams this gateway reads)
         self.failovers = 0
         self.hop_seconds = 0.0  # worker write -> gateway read, summed over output entries (one per step)
         self.hop_entries = 0
@@ -178,6 +195,7 @@ class RemoteEngine(EngineClient):
             await asyncio.sleep(self.poll_s)
             try:
                 await self.refresh()
+                await self._bound_slow_readers()
             except Exception as exc:  # noqa: BLE001 - Redis away: keep the last view, try again
                 log.warning("could not read the workers' beats: %r", exc)
 
@@ -258,6 +276,8 @@ class RemoteEngine(EngineClient):
                 base = len(streamed)
                 answered = False
                 where = (worker.worker, secrets.token_hex(8))
+                reader = self._readers[request_id] = _Reader(worker.worker, where[1], base,
+                                                             1 + (params.logprobs or 0), read=base)
                 msg = Generate(request_id, where[1], self._rest(params, base), prompt_ids + streamed, pin)
                 await self._send(worker.worker, msg, session_id, base, len(prompt_ids))
                 try:
@@ -271,6 +291,11 @@ class RemoteEngine(EngineClient):
                             streamed.extend(delta.token_ids)
                         answered = True
                         yield delta
+                        reader.read, reader.pulled = delta.completion_tokens, time.monotonic()
+                        if reader.overflowed:
+                            raise StreamOverflowError(
+                                f"request {request_id}: the reader fell more than "
+                                f"{self.stream_limits.max_buffered} entries behind; aborted")
                         if delta.request_finished:
                             finished = not cut  # a stream cut here still runs on its worker
                             return
@@ -301,9 +326,33 @@ class RemoteEngine(EngineClient):
                                                        eos_token_ids=self.tokenizer.eos_token_ids)
                         detok.step(streamed)  # what was sent so far: the same state the first worker had
         finally:
+            self._readers.pop(request_id, None)
             if where is not None:
                 self._pending[where[0]] -= 1
                 await self._end(request_id, where, aborted=not finished)
+
+    async def _bound_slow_readers(self) -> None:
+        """Abort the requests whose caller stopped reading while their worker wrote on: past
+        ``stream_limits.max_buffered`` unread entries (as the local engines' ``DeltaQueue``), so a reader
+        that never reads holds neither the worker's blocks nor Redis memory for long. Only streams whose
+        caller has not pulled for a second are looked at: one XREVRANGE each."""
+        now = time.monotonic()
+        slow = [(rid, r) for rid, r in self._readers.items() if not r.overflowed and now - r.pulled > 1.0]
+        if not slow:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for _rid, r in slow:
+            pipe.xrevrange(self.keys.out(r.dispatch), count=1)
+        for (rid, r), last in zip(slow, await pipe.execute(), strict=True):
+            msg = decode(last[0][1]) if last else None
+            if not isinstance(msg, Deltas) or not msg.deltas:
+                continue
+            unread = (msg.deltas[-1].completion_tokens + r.base - r.read) * r.per_token
+            if unread > self.stream_limits.max_buffered:
+                log.warning("request %s: its reader is %d entries behind; aborting it", rid, unread)
+                r.overflowed = True
+                self.stream_counters.overflowed += 1
+                await self.r.xadd(self.keys.control(r.worker), encode(Abort(rid)))
 
     @staticmethod
     def _retext(detok: IncrementalDetokenizer, delta: RequestDelta) -> bool:

@@ -23,13 +23,14 @@ from gateway_fixtures import redis_proc  # noqa: F401
 from scaleout_workers import TINY_FLAGS, WorkerProc
 
 from chatsvc.remote_engine import RemoteEngine
-from engine.client import EngineDeadError
+from engine.client import EngineDeadError, StreamLimits, StreamOverflowError
 from engine.engine import RequestDelta
 from engine.request import SamplingParams
 from engine.streams import Keys
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
+TTL_S = 4.0  # beats every second; a shorter TTL lapses when a loaded machine stalls a worker for a moment
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def workers(redis_proc, tiny: Path) -> Iterator[list[WorkerProc]]:  # noqa: F811
     redis.Redis.from_url(redis_proc.url).flushdb()
-    procs = [WorkerProc(redis_proc.url, str(tiny), name, *TINY_FLAGS) for name in ("wa", "wb")]
+    procs = [WorkerProc(redis_proc.url, str(tiny), name, *TINY_FLAGS, ttl_s=TTL_S) for name in ("wa", "wb")]
     try:
         for p in procs:
             p.wait_registered()
@@ -213,7 +214,7 @@ async def test_kill_9_mid_reply_fails_over_with_the_uninterrupted_greedy_reply(
 
 async def test_kill_9_mid_reply_continues_a_seeded_sampled_stream(
         gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
-    extra = WorkerProc(redis_proc.url, str(tiny), "wc", *TINY_FLAGS)
+    extra = WorkerProc(redis_proc.url, str(tiny), "wc", *TINY_FLAGS, ttl_s=TTL_S)
     workers.append(extra)  # the module's teardown stops it; the survivor of the two stays for the drain test
     await asyncio.to_thread(extra.wait_registered)
     await wait_for(lambda: len(gateway.workers) == 2)
@@ -239,7 +240,7 @@ async def test_kill_9_mid_reply_continues_a_seeded_sampled_stream(
 
 async def test_a_full_queue_on_one_worker_is_retried_on_another(
         gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
-    full = WorkerProc(redis_proc.url, str(tiny), "full", *TINY_FLAGS, "--max-waiting", "0")  # refuses everything
+    full = WorkerProc(redis_proc.url, str(tiny), "full", *TINY_FLAGS, "--max-waiting", "0", ttl_s=TTL_S)  # refuses all
     try:
         await asyncio.to_thread(full.wait_registered)
         await wait_for(lambda: full.id in gateway.workers)
@@ -252,6 +253,26 @@ async def test_a_full_queue_on_one_worker_is_retried_on_another(
     finally:
         assert await asyncio.to_thread(full.terminate) == 0
     await wait_for(lambda: full.id not in gateway.workers)
+
+
+async def test_a_reader_that_stops_reading_has_its_request_aborted(
+        redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, stream_limits=StreamLimits(max_buffered=40))
+    await eng.start()
+    try:
+        await wait_for(lambda: len(eng.workers) == 1)
+        params = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+        stream = eng.generate("never-read", params, prompt_token_ids=list(range(30, 50)))
+        first = await anext(stream)
+        assert not first.request_finished
+        await wait_for(lambda: eng.stream_counters.overflowed == 1)  # the worker wrote on; nobody read
+        with pytest.raises(StreamOverflowError):
+            await anext(stream)
+        survivor = next(w for w in workers if w.proc.poll() is None)
+        await wait_for(lambda: idle_and_free(survivor))
+        assert not eng._readers
+    finally:
+        await eng.stop()
 
 
 def test_a_seed_offset_skips_exactly_the_draws_made_before() -> None:
