@@ -42,8 +42,12 @@ turn ends with the reply so far), and output streams are not trimmed as they are
 whole; each expires ``OUT_TTL_S`` after its request ends).
 
 Bounded output. The stream is pulled: the gateway XREADs a batch (at most 256 entries) only when its caller
-asks for the next delta, so a caller that never reads holds one batch in the gateway; the rest waits in
-Redis, where a request's output is bounded by its own ``max_tokens`` (and the context length).
+asks for the next delta, so a caller that never reads holds one batch in the gateway, and the worker writes
+on into Redis. To bound that as the local engines' ``DeltaQueue`` does, the monitor looks at each stream
+whose caller has not pulled for a second (one XREVRANGE: the worker's last entry) and, once the worker has
+written more than ``stream_limits.max_buffered`` entries (tokens and their logprob alternatives) past what
+the caller read, aborts the request on its worker (its blocks are freed at once) and the caller's next pull
+raises ``StreamOverflowError``. Adopted streams (take-over) are not watched.
 """
 
 from __future__ import annotations
