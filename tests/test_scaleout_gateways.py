@@ -1,13 +1,15 @@
 """Two gateways (``chatsvc serve --engine redis`` processes) and one ``chatsvc worker`` against one real Redis,
 on the tiny model: a session turn started through one gateway is cancelled, or kept alive and then aborted by
 the grace, through the other; a gateway killed with ``kill -9`` mid-reply hands the turn to the other, which
-relays the rest to a client resuming with ``Last-Event-ID`` and stores it once.
+relays the rest to a client resuming with ``Last-Event-ID`` and stores it once. A clean WebSocket close by the
+last reader, on the other gateway, aborts the turn at once.
 
 The processes live for the whole module; the tests run in file order and the last one kills gateway A.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +21,7 @@ import redis
 from gateway_fixtures import free_port, redis_proc  # noqa: F401
 from scaleout_workers import WorkerProc
 from serve_process import Serve, assert_alternating
+from websockets.sync.client import connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GRACE_S = 1.5
@@ -91,8 +94,6 @@ class SSE:
         self.lines = self.r.iter_lines()
 
     def next(self) -> tuple[str, dict[str, Any]]:
-        import json
-
         eid = ""
         for line in self.lines:
             if line.startswith("id:"):
@@ -152,6 +153,30 @@ def test_a_reader_on_the_other_gateway_holds_the_turn_through_the_grace(stack: t
         assert idle_and_free(worker) is False
         resumed.close()  # the last reader anywhere leaves: after the grace, A aborts the turn
     wait_for(lambda: stored(b.url, sid)[-1]["role"] == "assistant")
+    messages = stored(b.url, sid)
+    assert_alternating(messages)
+    assert messages[-1]["finish_reason"] == "abort" and messages[-1]["tokens"] < 3500
+    wait_for(lambda: idle_and_free(worker))
+
+
+def test_a_clean_websocket_close_by_the_last_reader_elsewhere_aborts_at_once(
+        stack: tuple[Serve, Serve, WorkerProc]) -> None:
+    a, b, worker = stack
+    sid = session(a.url)
+    with httpx.Client() as client:
+        first = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(sid, 3500))
+        eid, _ = first.next()
+        first.close()  # A's grace starts; the reader moves to B
+        with connect(b.url.replace("http://", "ws://") + "/v1/ws") as ws:
+            ws.send(json.dumps({"type": "hello", "session_id": sid}))
+            assert json.loads(ws.recv(timeout=30))["busy"] is True
+            ws.send(json.dumps({"type": "resume", "after": eid}))
+            assert json.loads(ws.recv(timeout=30))["type"] == "delta"
+            time.sleep(GRACE_S * 1.5)  # past A's grace: B's reader holds the turn
+            assert stored(b.url, sid)[-1]["role"] == "user"
+        closed = time.monotonic()  # a clean close (1000) by the last reader: abort now, not after a grace
+    wait_for(lambda: stored(b.url, sid)[-1]["role"] == "assistant")
+    assert time.monotonic() - closed < GRACE_S
     messages = stored(b.url, sid)
     assert_alternating(messages)
     assert messages[-1]["finish_reason"] == "abort" and messages[-1]["tokens"] < 3500
