@@ -311,8 +311,12 @@ class TurnRegistry:
             after = events[-1][0]
         parts = [str(ev.get("text", "")) for _, ev, _ in at.log if ev.get("type") == "delta"]
         done = sum(int(ev.get("tokens", 0)) for _, ev, _ in at.log if ev.get("type") == "delta")
-        if any(ev.get("type") in TERMINAL for _, ev, _ in at.log):
-            return  # it ended after all (the lock's release is what was lost): the next sweep recovers it
+        ended = next((ev for _, ev, _ in at.log if ev.get("type") in TERMINAL), None)
+        if ended is not None:
+            # Stored before its done event was written (only the lock's release was lost): end_turn stores
+            # nothing again, and gives the lock back.
+            await self.store.end_turn(sid, turn, dict(ended.get("message") or {"role": "assistant", "content": ""}))
+            return
         try:
             stream = await self.engine.adopt(at.request_id, done)
         except Exception as exc:  # noqa: BLE001 - the lock is ours now: the turn is stored either way
