@@ -18,12 +18,36 @@ dispatched again, to another worker, with the prompt plus the tokens already str
 ``max_tokens`` (and of ``min_tokens``). The new worker recomputes those tokens' KV as a prompt (the path a
 recompute preemption takes) and continues; deltas keep counting prompt and completion tokens of the
 original request, so the caller sees one stream with no token twice and none missing. Greedy sampling
-gives the same reply as an uninterrupted run. The new worker decodes only its own tokens, so after a
-failover the gateway re-derives each delta's text with one detokenizer over all the reply's tokens (a
-character split over the failover point is whole, a stop string straddling it ends the stream). Not exact
-across a failover, and documented as such: a seeded sampled stream restarts its generator (from the seed,
-not from its position) and output-token penalties (presence, frequency) no longer see the tokens before the
-failover. A request of ``n > 1`` fails with ``EngineDeadError`` instead.
+gives the same reply as an uninterrupted run. A seeded sampled stream goes on where it was: the sampler
+draws one number per token from a seeded row's generator, so the re-dispatch carries the count of tokens
+already sampled (``SamplingParams.seed_offset``) and the new worker's generator skips that many draws; the
+reply equals an uninterrupted run's with the same seed. The new worker decodes only its own tokens, so
+after a failover the gateway re-derives each delta's text with one detokenizer over all the reply's tokens
+(a character split over the failover point is whole, a stop string straddling it ends the stream). Not
+exact across a failover, and documented as such: output-token penalties (presence, frequency) no longer see
+the tokens before the failover (they are prompt tokens there). A request of ``n > 1`` fails with
+``EngineDeadError`` instead.
+
+A full queue. A worker that refuses a request before it started (``QueueFullError``) is left out and the
+request placed again among the others; only when every live worker refused it does the caller get
+``QueueFullError`` (the gateway's 429).
+
+Take-over (``adopt``). A worker writes a request's output stream whether anyone reads it or not, and
+``route:request:{rid}`` names the dispatch (with the tokens streamed before it, after a failover). When the
+gateway that dispatched a request dies, another gateway's session turns (``chatsvc.turns``) take the turn
+over and call ``adopt`` with the count of tokens the dead gateway passed on: the stream is read from its
+start and the deltas up to that count skipped (the dead gateway stored one event per delta, so the count
+falls on a delta boundary). Not built: an adopted stream whose worker dies too is not dispatched again (the
+turn ends with the reply so far), and output streams are not trimmed as they are read (take-over needs them
+whole; each expires ``OUT_TTL_S`` after its request ends).
+
+Bounded output. The stream is pulled: the gateway XREADs a batch (at most 256 entries) only when its caller
+asks for the next delta, so a caller that never reads holds one batch in the gateway, and the worker writes
+on into Redis. To bound that as the local engines' ``DeltaQueue`` does, the monitor looks at each stream
+whose caller has not pulled for a second (one XREVRANGE: the worker's last entry) and, once the worker has
+written more than ``stream_limits.max_buffered`` entries (tokens and their logprob alternatives) past what
+the caller read, aborts the request on its worker (its blocks are freed at once) and the caller's next pull
+raises ``StreamOverflowError``. Adopted streams (take-over) are not watched.
 """
 
 from __future__ import annotations
@@ -41,7 +65,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chatsvc.router import Router
-from engine.client import EngineClient, EngineDeadError
+from engine.client import EngineClient, EngineDeadError, StreamCounters, StreamLimits, StreamOverflowError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import SamplingParams
 from engine.scheduler import QueueFullError
@@ -86,10 +110,24 @@ class WorkerLost(Exception):
     """The worker of a dispatch died, or left without running it: dispatch it again elsewhere."""
 
 
+@dataclasses.dataclass
+class _Reader:
+    """How far the caller of one open stream has read, for the slow-reader bound."""
+
+    worker: str
+    dispatch: str
+    base: int  # output tokens of earlier dispatches (failover)
+    per_token: int  # entries one token costs: itself and its logprob alternatives
+    read: int = 0  # output tokens handed to the caller
+    pulled: float = dataclasses.field(default_factory=time.monotonic)
+    overflowed: bool = False
+
+
 class RemoteEngine(EngineClient):
     def __init__(self, redis: Any, tokenizer: Tokenizer, model_name: str, *, max_model_len: int = 2048,
                  keys: Keys | None = None, router: Router | None = None, session_ttl_s: int = 7 * 24 * 3600,
-                 poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S) -> None:
+                 poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S,
+                 stream_limits: StreamLimits | None = None) -> None:
         self.r = redis
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -100,6 +138,9 @@ class RemoteEngine(EngineClient):
         self.poll_s = poll_s
         self.wait_for_worker_s = wait_for_worker_s
         self.workers: dict[str, Beat] = {}  # the live workers' last beats
+        self.stream_limits = stream_limits or StreamLimits()
+        self.stream_counters = StreamCounters()
+        self._readers: dict[str, _Reader] = {}  # request id -> its caller's progress (streams this gateway reads)
         self.failovers = 0
         self.hop_seconds = 0.0  # worker write -> gateway read, summed over output entries (one per step)
         self.hop_entries = 0
@@ -158,6 +199,7 @@ class RemoteEngine(EngineClient):
             await asyncio.sleep(self.poll_s)
             try:
                 await self.refresh()
+                await self._bound_slow_readers()
             except Exception as exc:  # noqa: BLE001 - Redis away: keep the last view, try again
                 log.warning("could not read the workers' beats: %r", exc)
 
@@ -231,13 +273,17 @@ class RemoteEngine(EngineClient):
         finished = False
         failover = False
         detok: IncrementalDetokenizer | None = None  # after a failover: the text as one worker would have made it
+        refused: set[str] = set()  # workers whose queue was full for this request
         try:
             while True:
-                worker = await self._place(session_id, pin, failover)
+                worker = await self._place(session_id, pin, failover, refused)
                 base = len(streamed)
+                answered = False
                 where = (worker.worker, secrets.token_hex(8))
+                reader = self._readers[request_id] = _Reader(worker.worker, where[1], base,
+                                                             1 + (params.logprobs or 0), read=base)
                 msg = Generate(request_id, where[1], self._rest(params, base), prompt_ids + streamed, pin)
-                await self._send(worker.worker, msg, session_id)
+                await self._send(worker.worker, msg, session_id, base, len(prompt_ids))
                 try:
                     async for delta in self._read(*where):
                         if base:
@@ -247,11 +293,28 @@ class RemoteEngine(EngineClient):
                         cut = detok is not None and self._retext(detok, delta)
                         if params.n == 1:
                             streamed.extend(delta.token_ids)
+                        answered = True
                         yield delta
+                        reader.read, reader.pulled = delta.completion_tokens, time.monotonic()
+                        if reader.overflowed:
+                            raise StreamOverflowError(
+                                f"request {request_id}: the reader fell more than "
+                                f"{self.stream_limits.max_buffered} entries behind; aborted")
                         if delta.request_finished:
                             finished = not cut  # a stream cut here still runs on its worker
                             return
                     raise WorkerLost("the output stream ended without the request's end")
+                except QueueFullError:
+                    if answered:
+                        raise
+                    # Refused before it started: another worker may have room; 429 once every one is full.
+                    self._pending[worker.worker] -= 1
+                    await self._end(request_id, where, aborted=False)
+                    where = None
+                    refused.add(worker.worker)
+                    if all(w in refused for w, beat in self.workers.items() if not beat.draining):
+                        raise
+                    log.info("worker %s refused request %s (queue full); trying another", worker.worker, request_id)
                 except WorkerLost as exc:
                     self._pending[worker.worker] -= 1
                     await self._end(request_id, where, aborted=False)  # its worker is gone: nothing to abort
@@ -267,9 +330,33 @@ class RemoteEngine(EngineClient):
                                                        eos_token_ids=self.tokenizer.eos_token_ids)
                         detok.step(streamed)  # what was sent so far: the same state the first worker had
         finally:
+            self._readers.pop(request_id, None)
             if where is not None:
                 self._pending[where[0]] -= 1
                 await self._end(request_id, where, aborted=not finished)
+
+    async def _bound_slow_readers(self) -> None:
+        """Abort the requests whose caller stopped reading while their worker wrote on: past
+        ``stream_limits.max_buffered`` unread entries (as the local engines' ``DeltaQueue``), so a reader
+        that never reads holds neither the worker's blocks nor Redis memory for long. Only streams whose
+        caller has not pulled for a second are looked at: one XREVRANGE each."""
+        now = time.monotonic()
+        slow = [(rid, r) for rid, r in self._readers.items() if not r.overflowed and now - r.pulled > 1.0]
+        if not slow:
+            return
+        pipe = self.r.pipeline(transaction=False)
+        for _rid, r in slow:
+            pipe.xrevrange(self.keys.out(r.dispatch), count=1)
+        for (rid, r), last in zip(slow, await pipe.execute(), strict=True):
+            msg = decode(last[0][1]) if last else None
+            if not isinstance(msg, Deltas) or not msg.deltas:
+                continue
+            unread = (msg.deltas[-1].completion_tokens + r.base - r.read) * r.per_token
+            if unread > self.stream_limits.max_buffered:
+                log.warning("request %s: its reader is %d entries behind; aborting it", rid, unread)
+                r.overflowed = True
+                self.stream_counters.overflowed += 1
+                await self.r.xadd(self.keys.control(r.worker), encode(Abort(rid)))
 
     @staticmethod
     def _retext(detok: IncrementalDetokenizer, delta: RequestDelta) -> bool:
@@ -293,7 +380,10 @@ class RemoteEngine(EngineClient):
         if not done:
             return params
         max_tokens = None if params.max_tokens is None else max(1, params.max_tokens - done)
-        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done))
+        # A seeded row draws one number per token: the new worker's generator skips the ``done`` drawn before.
+        offset = params.seed_offset + done if params.seed is not None else params.seed_offset
+        return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done),
+                                   seed_offset=offset)
 
     def _pin_of(self, prompt_ids: list[int]) -> str | None:
         """The longest pinned prefix the prompt starts with (a persona's system prompt)."""
@@ -303,14 +393,16 @@ class RemoteEngine(EngineClient):
                 best = (len(ids), key)
         return best[1] if best else None
 
-    async def _place(self, session_id: str | None, pin: str | None, failover: bool) -> Beat:
+    async def _place(self, session_id: str | None, pin: str | None, failover: bool,
+                     refused: set[str] | frozenset[str] = frozenset()) -> Beat:
         session_worker = None
         if session_id is not None and not failover:
             session_worker = await self.r.get(self.keys.session(session_id))
         deadline = time.monotonic() + self.wait_for_worker_s
         while True:
             raise_if_cancelled()
-            worker = self.router.choose(list(self.workers.values()), pending=self._pending, pinning=self._pinning,
+            candidates = [b for b in self.workers.values() if b.worker not in refused]
+            worker = self.router.choose(candidates, pending=self._pending, pinning=self._pinning,
                                         session_worker=session_worker, pin=pin, failover=failover)
             if worker is not None:
                 if pin is not None and pin not in worker.pins:
@@ -321,10 +413,11 @@ class RemoteEngine(EngineClient):
                 raise EngineDeadError("no engine worker is alive")
             await asyncio.sleep(self.poll_s)
 
-    async def _send(self, worker: str, msg: Generate, session_id: str | None) -> None:
+    async def _send(self, worker: str, msg: Generate, session_id: str | None, base: int, prompt_len: int) -> None:
         k = self.keys
         pipe = self.r.pipeline(transaction=False)
-        pipe.set(k.request(msg.request_id), json.dumps({"worker": worker, "dispatch": msg.dispatch}), ex=ROUTE_TTL_S)
+        route = {"worker": worker, "dispatch": msg.dispatch, "base": base, "prompt_tokens": prompt_len}
+        pipe.set(k.request(msg.request_id), json.dumps(route), ex=ROUTE_TTL_S)
         if session_id is not None:
             pipe.set(k.session(session_id), worker, ex=self.session_ttl_s)
         pipe.xadd(k.requests(worker), encode(msg))
@@ -365,6 +458,47 @@ class RemoteEngine(EngineClient):
             await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - the stream is over either way; its keys expire
             log.warning("could not clean up request %s: %r", request_id, exc)
+
+    async def adopt(self, request_id: str, after_tokens: int) -> AsyncGenerator[RequestDelta, None] | None:
+        """Take over the stream of a request another gateway dispatched and stopped reading (it died): its
+        deltas after the first ``after_tokens`` output tokens, read from the dispatch's output stream, which
+        the worker writes whether anyone reads it or not. None when no dispatch of it is recorded."""
+        if not self._started:
+            raise EngineDeadError("the gateway's engine client is not started")
+        raw = await self.r.get(self.keys.request(request_id))
+        if raw is None:
+            return None
+        route = json.loads(raw)
+        return self._adopted(request_id, route["worker"], route["dispatch"], int(route.get("base", 0)),
+                             int(route.get("prompt_tokens", 0)), after_tokens)
+
+    async def _adopted(self, request_id: str, worker: str, dispatch: str, base: int, prompt_len: int,
+                       after: int) -> AsyncGenerator[RequestDelta, None]:
+        where = (worker, dispatch)
+        finished = False
+        self._pending[worker] += 1
+        try:
+            async for delta in self._read(worker, dispatch):
+                delta.completion_tokens += base
+                if prompt_len:
+                    delta.prompt_tokens = prompt_len
+                    delta.cached_tokens = min(delta.cached_tokens, prompt_len)
+                if delta.completion_tokens <= after:
+                    if not delta.request_finished:
+                        continue  # passed on by the gateway that died
+                    # Its tokens went out already; what is left to say is how the request ended.
+                    delta.text, delta.token_ids, delta.logprobs = "", [], None
+                yield delta
+                if delta.request_finished:
+                    finished = True
+                    return
+            raise WorkerLost("the output stream ended without the request's end")
+        except WorkerLost as exc:
+            finished = True  # its worker is gone: nothing to abort
+            raise EngineDeadError(f"engine worker {worker} of an adopted request was lost: {exc}") from None
+        finally:
+            self._pending[worker] -= 1
+            await self._end(request_id, where, aborted=not finished)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it runs (this gateway's or another's)."""

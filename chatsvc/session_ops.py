@@ -54,12 +54,14 @@ async def cancel(gw: Gateway, meta: SessionMeta) -> bool:
 class ReplyReader:
     """One reader of one session reply: its events after ``after``, until the done/error event."""
 
-    def __init__(self, gw: Gateway, session_id: str, turn: int, after: str, at: ActiveTurn | None) -> None:
+    def __init__(self, gw: Gateway, session_id: str, turn: int, after: str, at: ActiveTurn | None,
+                 remote: str | None = None) -> None:
         self.gw = gw
         self.session_id = session_id
         self.turn = turn
         self.after = after
-        self._at = at  # the running turn this reader holds, if the reply is still being generated
+        self._at = at  # the running turn this reader holds, if the reply is still being generated here
+        self._remote = remote  # its place on a turn another gateway generates
 
     def events(self) -> AsyncIterator[tuple[str, dict[str, Any], str]]:
         """(event id, event, its stored JSON). The transport calls :meth:`release` once it stops reading
@@ -71,6 +73,9 @@ class ReplyReader:
         at, self._at = self._at, None
         if at is not None:
             self.gw.turns.detach(at, abort_now=abort_now)
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            self.gw.turns.detach_remote(remote, abort_now=abort_now)
 
 
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
@@ -88,6 +93,7 @@ async def resume(gw: Gateway, meta: SessionMeta, last_event_id: str | None) -> R
     turn = meta.turns if turn is None else turn
     gw.quotas.check_readers(gw.turns.active.get(meta.id))
     at = gw.turns.attach(meta.id, turn)
-    if at is None and not await gw.store.stream_exists(meta.id, turn):
+    remote = None if at is not None else await gw.turns.attach_remote(meta.id, turn)
+    if at is None and remote is None and not await gw.store.stream_exists(meta.id, turn):
         raise APIError(404, "no reply to resume (finished and expired, or never started)", code="stream_not_found")
-    return ReplyReader(gw, meta.id, turn, after, at)
+    return ReplyReader(gw, meta.id, turn, after, at, remote)

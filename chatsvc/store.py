@@ -13,6 +13,11 @@ Keys (prefix ``chatsvc:``; ``{id}`` is written with its braces, a Redis Cluster 
 - ``instance:<name>``          the nonce of the live gateway process called ``name``, short TTL (heartbeat)
 - ``instance:<name>:locks``    session ids whose lock that instance took (found again without SCAN)
 - ``instances``                names of instances that may hold locks
+- ``stream:{id}:<turn>:readers`` sorted set: readers of a running reply on gateways other than the one
+                               generating it -> their lease's end (ms); the generating gateway's abort grace
+                               counts them (``readers``)
+- ``instance:<name>:control``  list of JSON requests to the gateway ``name`` about the turns it generates
+                               (``cancel``, ``detach``), pushed by other gateways (``send_control``)
 
 A lock is dead when ``instance:<name>`` no longer holds its nonce: the process stopped heartbeating, or a
 process with the same name (same host and port) started since. A dead lock's turn is recovered: the reply
@@ -198,6 +203,14 @@ if lock == nil then return -1 end
 if alive then return 0 end
 if redis.call('EXISTS', KEYS[1]) == 1 then recover_pending() end
 if lock then redis.call('DEL', KEYS[3]) end
+return 1
+"""
+
+# KEYS[1]: a session's lock. ARGV[1]: the lock as read (its holder dead), [2]: the taker's token, [3]: lock
+# TTL ms. 1: taken, 0: it changed meanwhile (recovered, taken or begun anew by another instance).
+_TAKE_OVER_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
@@ -449,6 +462,44 @@ class Store:
         """A live instance is generating a reply for the session."""
         return (await self._lock_view(sid))[1]
 
+    async def lock_holder(self, sid: str) -> tuple[str, int, bool] | None:
+        """(instance, turn, alive) of the session's lock; None when no turn holds it."""
+        lock, alive, name = await self._lock_view(sid)
+        turn = lock.rpartition("|")[2]
+        if name is None or not turn.isdigit():
+            return None
+        return name, int(turn), alive
+
+    async def meta_of(self, sid: str) -> SessionMeta | None:
+        """The session whoever owns it (a gateway taking over a turn acts for its owner)."""
+        raw = await self.r.hgetall(self._skey(sid))
+        return self._meta(raw, raw.get("owner", "")) if raw else None
+
+    async def take_over_turns(self, skip: Collection[str] = ()) -> list[tuple[str, int]]:
+        """Take the locks of the running turns of dead instances (not ``skip``): (session id, turn) of each
+        one this instance now holds. A compare-and-set on the lock as read: of several gateways sweeping at
+        once, one takes each turn, and a turn recovered meanwhile (or begun anew) is left alone."""
+        taken: list[tuple[str, int]] = []
+        for name in await self.r.smembers(P + "instances"):
+            if name == self.instance:
+                continue
+            for sid in await self.r.smembers(self._locks_key(name)):
+                if sid in skip:
+                    continue
+                lock, alive, holder = await self._lock_view(sid)
+                turn = lock.rpartition("|")[2]
+                if alive or holder != name or not turn.isdigit():
+                    continue
+                # Indexed before the lock is ours, as in begin_turn; a stale entry is harmless.
+                added = await self.r.sadd(self._locks_key(), sid)
+                if await self._script(_TAKE_OVER_LUA)(keys=[self.lock_key(sid)],
+                                                      args=[lock, self.lock_token(int(turn)), LOCK_TTL_S * 1000]):
+                    await self.r.srem(self._locks_key(name), sid)
+                    taken.append((sid, int(turn)))
+                elif added:
+                    await self.r.srem(self._locks_key(), sid)
+        return taken
+
     # -- instances --------------------------------------------------------------------------------
     async def heartbeat(self) -> None:
         """Say this instance is alive (and, on the first beat, that its predecessor of the same name is not)."""
@@ -546,6 +597,41 @@ class Store:
 
     async def stream_exists(self, sid: str, turn: int) -> bool:
         return bool(await self.r.exists(self.stream_key(sid, turn)))
+
+    # -- readers and control across gateways ---------------------------------------------------------
+    def _readers_key(self, sid: str, turn: int) -> str:
+        return self.stream_key(sid, turn) + ":readers"
+
+    async def hold_reader(self, sid: str, turn: int, reader: str, lease_s: float) -> None:
+        """Count ``reader`` as a reader of the reply for ``lease_s`` seconds (renewed by calling again)."""
+        key = self._readers_key(sid, turn)
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.zadd(key, {reader: int((time.time() + lease_s) * 1000)})
+            pipe.expire(key, self.stream_ttl_s)
+            await pipe.execute()
+
+    async def drop_reader(self, sid: str, turn: int, reader: str) -> None:
+        await self.r.zrem(self._readers_key(sid, turn), reader)
+
+    async def readers(self, sid: str, turn: int) -> int:
+        """Readers whose lease still runs (a gateway that died with readers stops renewing theirs)."""
+        key = self._readers_key(sid, turn)
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(key, "-inf", int(time.time() * 1000))
+            pipe.zcard(key)
+            return int((await pipe.execute())[1])
+
+    async def send_control(self, instance: str, message: dict[str, Any]) -> None:
+        key = f"{P}instance:{instance}:control"
+        async with self.r.pipeline(transaction=False) as pipe:
+            pipe.rpush(key, json.dumps(message))
+            pipe.expire(key, INSTANCE_TTL_S * 6)
+            await pipe.execute()
+
+    async def next_control(self, timeout_s: float) -> dict[str, Any] | None:
+        """The next control request to this instance, waiting up to ``timeout_s`` for one."""
+        got = await self.r.blpop([f"{P}instance:{self.instance}:control"], timeout=timeout_s)
+        return None if got is None else dict(json.loads(got[1]))
 
 
 # Called once per event with (stream id, None) once it is stored, or (None, error) if it was not.

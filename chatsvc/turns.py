@@ -9,6 +9,16 @@ a page reload's 1001, a dropped socket), the turn keeps generating for ``abort_g
 aborted unless a client resumes it within that time. Either way the assistant message is stored
 with the text so far.
 
+Several gateways on one Redis (any of them serves any session): the gateway that generates a turn holds
+its lock and counts its own readers; a reader on another gateway holds a lease in Redis (renewed by its
+gateway's keep-alive, so a dead gateway's readers lapse), and the grace counts those too. A cancel, or a
+clean close by a last reader, on another gateway is pushed to the generating gateway's control list (its
+name is in the lock), which acts on it at once. With an engine whose requests outlive their gateway
+(``engine.client.Adoptable``: workers behind Redis), the keep-alive of a surviving gateway takes over the
+turns of a dead one: it takes the lock (compare-and-set, so one gateway gets each turn), re-reads the
+reply's events so far, and relays the rest of the request's output from where the dead gateway stopped,
+then stores the reply once. Otherwise a dead gateway's turn is recovered as ``interrupted``.
+
 Crash safety (see :mod:`chatsvc.store`): a turn is registered before the engine sees its request, its
 lock is refreshed by the registry's keep-alive task, which also recovers the turns of dead instances.
 If Redis is unreachable, generation goes on and the finished reply waits in memory while
@@ -27,6 +37,7 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,13 +56,17 @@ from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.wire import delta_event
-from engine.client import EngineClient
+from engine.client import Adoptable, EngineClient
 
 log = logging.getLogger("chatsvc.turns")
 T = TypeVar("T")
 TERMINAL = ("done", "error")
 HEARTBEAT_S = 3.0  # instance heartbeat and lock refresh period (store.INSTANCE_TTL_S, LOCK_TTL_S: 10 s, 30 s)
 STORE_RETRY_S = 60.0  # how long a finished reply waits in memory for an unreachable Redis
+READER_LEASE_S = 10.0  # a reader on another gateway counts this long after its gateway last renewed it
+PEER_POLL_S = 0.5  # how often a turn without local readers looks for readers on other gateways
+CONTROL_BLOCK_S = 1.0
+CANCEL_WAIT_S = 30.0  # how long a cancel sent to another gateway waits for its turn to end
 _STREAM_ID = re.compile(r"\d+-\d+")
 
 
@@ -118,6 +133,8 @@ class TurnRegistry:
         self.writer = EventWriter(store)
         self.store_retry_s = STORE_RETRY_S
         self._keepalive: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._holds: dict[str, tuple[str, int]] = {}  # reader id -> (session, turn) generated elsewhere
 
     def request_id(self, session_id: str) -> str | None:
         at = self.active.get(session_id)
@@ -131,6 +148,7 @@ class TurnRegistry:
                 async with asyncio.timeout(5):  # Redis away at start-up: the loop catches up later
                     await self._beat()
             self._keepalive = asyncio.create_task(self._keep_alive(), name="turns-keepalive")
+            self._listener = asyncio.create_task(self._listen(), name="turns-control")
 
     async def _keep_alive(self) -> None:
         while True:
@@ -143,6 +161,11 @@ class TurnRegistry:
             for at in list(self.active.values()):
                 if at.stored is None and not await self.store.refresh_lock(at.session_id, at.turn):
                     log.warning("turn %s lost its lock (recovered elsewhere?)", at.request_id)
+            for reader, (sid, turn) in list(self._holds.items()):
+                await self.store.hold_reader(sid, turn, reader, READER_LEASE_S)
+            if isinstance(self.engine, Adoptable):
+                for sid, turn in await self.store.take_over_turns(skip=set(self.active)):
+                    await self._take_over(sid, turn)
             for sid in await self.store.recover_dead_turns(skip=set(self.active)):
                 log.warning("recovered the interrupted reply of session %s", sid)
         except RedisError as exc:
@@ -249,7 +272,12 @@ class TurnRegistry:
             reason = "error"
         finally:
             await gen.close()
-        u = usage(last.prompt_tokens if last else len(gen.prompt_token_ids),
+        await self._store_reply(at, key, parts, reason, last, len(gen.prompt_token_ids))
+
+    async def _store_reply(self, at: ActiveTurn, key: str, parts: list[str], reason: str, last: Any,
+                           prompt_len: int) -> None:
+        """Store the reply (once), write its done event, and let the turn go."""
+        u = usage(last.prompt_tokens if last else prompt_len,
                   last.completion_tokens if last else 0, last.cached_tokens if last else 0)
         msg = {"role": "assistant", "content": "".join(parts), "created": time.time(),
                "tokens": u["completion_tokens"], "finish_reason": reason, "prompt_tokens": u["prompt_tokens"],
@@ -270,6 +298,64 @@ class TurnRegistry:
             self.active.pop(at.session_id, None)
             if at.grace is not None:
                 at.grace.cancel()
+
+    async def _take_over(self, sid: str, turn: int) -> None:
+        """Generate the rest of a turn whose gateway died (its lock is ours now), as :meth:`_run` would have."""
+        assert isinstance(self.engine, Adoptable)
+        meta = await self.store.meta_of(sid)
+        at = ActiveTurn(sid, turn, f"{sid}-{turn}", meta.persona if meta else "", owner=meta.owner if meta else "",
+                        readers=0)
+        after = "0"
+        while events := await self.store.read_events_json(sid, turn, after, block_ms=0):
+            at.log.extend(events)  # local readers follow the whole reply from this log
+            after = events[-1][0]
+        parts = [str(ev.get("text", "")) for _, ev, _ in at.log if ev.get("type") == "delta"]
+        done = sum(int(ev.get("tokens", 0)) for _, ev, _ in at.log if ev.get("type") == "delta")
+        ended = next((ev for _, ev, _ in at.log if ev.get("type") in TERMINAL), None)
+        if ended is not None:
+            # Stored before its done event was written (only the lock's release was lost): end_turn stores
+            # nothing again, and gives the lock back.
+            await self.store.end_turn(sid, turn, dict(ended.get("message") or {"role": "assistant", "content": ""}))
+            return
+        try:
+            stream = await self.engine.adopt(at.request_id, done)
+        except Exception as exc:  # noqa: BLE001 - the lock is ours now: the turn is stored either way
+            log.warning("could not take over the request of %s: %r", at.request_id, exc)
+            stream = None
+        log.warning("took over turn %s of a dead gateway after %d tokens (%s)", at.request_id, done,
+                    "relaying the rest" if stream is not None else "its request is gone: storing it interrupted")
+        self.active[sid] = at
+        at.task = asyncio.create_task(self._run_adopted(at, stream, parts), name=f"turn-{at.request_id}")
+        at.grace = asyncio.create_task(self._grace(at))  # no reader here yet: readers elsewhere may count
+
+    async def _run_adopted(self, at: ActiveTurn, stream: AsyncIterator[Any] | None, parts: list[str]) -> None:
+        at.running = True
+        reason = "interrupted"
+        last: Any = None
+        key = self.store.stream_key(at.session_id, at.turn)
+        try:
+            if stream is not None and not at.abort_requested:
+                reason = "abort"
+                async for d in stream:
+                    last = d
+                    parts.append(d.text)
+                    if d.finished:
+                        reason = d.finish_reason or "stop"
+                    if d.token_ids or d.text:
+                        n = len(d.token_ids)
+                        self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
+                if at.unwritten:
+                    at.drained = asyncio.get_running_loop().create_future()
+                    await at.drained
+        except asyncio.CancelledError:
+            reason = "abort"
+        except Exception:
+            log.exception("adopted turn %s failed", at.request_id)
+            reason = "error"
+        finally:
+            if stream is not None and hasattr(stream, "aclose"):
+                await stream.aclose()
+        await self._store_reply(at, key, parts, reason, last, 0)
 
     async def _retrying(self, at: ActiveTurn, deadline: float, op: Callable[[], Awaitable[T]]) -> T:
         """``op()``, retried with backoff while Redis is unreachable, until ``deadline`` (then it raises).
@@ -336,11 +422,77 @@ class TurnRegistry:
         elif at.grace is None:
             at.grace = asyncio.create_task(self._grace(at))
 
+    async def attach_remote(self, session_id: str, turn: int) -> str | None:
+        """Hold a place, as a reader, on a turn another gateway generates (one whose lock is that turn's):
+        the reader id to give back with :meth:`detach_remote`; None when no gateway generates the turn."""
+        holder = await self.store.lock_holder(session_id)
+        if holder is None or holder[1] != turn:
+            return None
+        reader = f"{self.store.instance}|{secrets.token_hex(6)}"
+        self._holds[reader] = (session_id, turn)
+        await self.store.hold_reader(session_id, turn, reader, READER_LEASE_S)
+        return reader
+
+    def detach_remote(self, reader: str, abort_now: bool) -> None:
+        """Give a place on another gateway's turn back; that gateway's grace (or ``abort_now``) takes it from
+        there."""
+        held = self._holds.pop(reader, None)
+        if held is not None:
+            task = asyncio.create_task(self._detach_remote(*held, reader, abort_now))
+            task.add_done_callback(_log_failure)
+
+    async def _detach_remote(self, session_id: str, turn: int, reader: str, abort_now: bool) -> None:
+        await self.store.drop_reader(session_id, turn, reader)
+        if abort_now:
+            await self._tell_holder(session_id, turn, "detach")
+
+    async def _tell_holder(self, session_id: str, turn: int, op: str) -> bool:
+        holder = await self.store.lock_holder(session_id)
+        if holder is None or holder[1] != turn or not holder[2]:
+            return False
+        await self.store.send_control(holder[0], {"op": op, "session_id": session_id, "turn": turn})
+        return True
+
+    async def _remote_readers(self, at: ActiveTurn) -> int:
+        try:
+            return await self.store.readers(at.session_id, at.turn)
+        except RedisError as exc:  # cannot tell: the grace goes on as if there were none
+            log.warning("could not count the other gateways' readers of %s: %r", at.request_id, exc)
+            return 0
+
     async def _grace(self, at: ActiveTurn) -> None:
         await asyncio.sleep(self.settings.abort_grace_s)
-        if at.readers <= 0 and at.task is not None:
-            log.info("no reader came back for %s: aborting", at.request_id)
-            self._abort(at)
+        while at.readers <= 0 and at.task is not None and not at.task.done():
+            if not await self._remote_readers(at):
+                log.info("no reader came back for %s: aborting", at.request_id)
+                self._abort(at)
+                return
+            # Read on another gateway: watch until that reader leaves, then grant it a whole grace too.
+            while at.readers <= 0 and not at.task.done() and await self._remote_readers(at):
+                await asyncio.sleep(PEER_POLL_S)
+            await asyncio.sleep(self.settings.abort_grace_s)
+
+    async def _listen(self) -> None:
+        """Act on the other gateways' requests about the turns generated here (cancel, last reader gone)."""
+        while True:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # redis-py may swallow a cancel mid-command
+                raise asyncio.CancelledError
+            try:
+                msg = await self.store.next_control(CONTROL_BLOCK_S)
+            except RedisError as exc:
+                log.warning("Redis unreachable for the control list: %r", exc)
+                await asyncio.sleep(CONTROL_BLOCK_S)
+                continue
+            if msg is None:
+                continue
+            at = self.active.get(str(msg.get("session_id")))
+            if at is None or at.turn != msg.get("turn"):
+                continue
+            # A cancel aborts; a clean close by a reader elsewhere aborts if that reader was the last one.
+            last_gone = msg.get("op") == "detach" and at.readers <= 0 and not await self._remote_readers(at)
+            if msg.get("op") == "cancel" or last_gone:
+                self._abort(at)
 
     @staticmethod
     def _abort(at: ActiveTurn) -> None:
@@ -351,10 +503,21 @@ class TurnRegistry:
     async def cancel(self, session_id: str) -> bool:
         at = self.active.get(session_id)
         if at is None or at.task is None:
-            return False
+            return await self._cancel_elsewhere(session_id)
         self._abort(at)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(at.task)
+        return True
+
+    async def _cancel_elsewhere(self, session_id: str) -> bool:
+        """Cancel the turn another live gateway generates, and wait (bounded) until it is stored."""
+        holder = await self.store.lock_holder(session_id)
+        if holder is None or holder[0] == self.store.instance or not await self._tell_holder(
+                session_id, holder[1], "cancel"):
+            return False
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while time.monotonic() < deadline and await self.store.lock_holder(session_id) == holder:
+            await asyncio.sleep(0.05)
         return True
 
     async def shutdown(self) -> None:
@@ -362,6 +525,10 @@ class TurnRegistry:
         for at in list(self.active.values()):
             self._abort(at)
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
+            self._listener = None
         if self._keepalive is not None:
             self._keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -405,8 +572,10 @@ class TurnRegistry:
             events = await self.store.read_events_json(session_id, turn, after, block_ms=1000)
             if not events:
                 at = self.active.get(session_id)
-                if at is None or at.turn != turn:
-                    # Finished (or never ran here): drain what is left without blocking, then stop.
+                holder = None if at is not None else await self.store.lock_holder(session_id)
+                if (at is None or at.turn != turn) and (holder is None or holder[1] != turn):
+                    # Finished (or never ran): drain what is left without blocking, then stop. A turn whose
+                    # lock is held runs on another gateway, or is about to be taken over or recovered.
                     events = await self.store.read_events_json(session_id, turn, after, block_ms=0) \
                         if await self.store.stream_exists(session_id, turn) else []
                     if not events:
@@ -421,3 +590,8 @@ class TurnRegistry:
                 yield event_id(turn, sid), ev, data
                 if ev.get("type") in TERMINAL:
                     return
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("could not give a reader's place back: %r", task.exception())

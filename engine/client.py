@@ -12,7 +12,7 @@ import collections
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from engine.request import SamplingParams
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from engine.engine import RequestDelta
     from engine.tokenizer import Tokenizer
 
-__all__ = ["DeltaQueue", "EngineClient", "EngineDeadError", "StreamCounters", "StreamLimits", "StreamOverflowError",
+__all__ = ["Adoptable", "DeltaQueue", "EngineClient", "EngineDeadError", "StreamCounters", "StreamLimits", "StreamOverflowError",
            "relay_deltas"]
 
 
@@ -210,6 +210,18 @@ class EngineClient(Protocol):
 
     def kv_snapshot(self) -> dict[str, Any]:
         """The latest block-pool picture; asking keeps the engine refreshing it for a while."""
+        ...
+
+
+@runtime_checkable
+class Adoptable(Protocol):
+    """An engine whose requests outlive the gateway that sent them (workers behind Redis): another gateway can
+    take over the stream of a request whose gateway died."""
+
+    async def adopt(self, request_id: str, after_tokens: int) -> AsyncIterator[RequestDelta] | None:
+        """The request's deltas after its first ``after_tokens`` output tokens (those the dead gateway passed
+        on), to its end; closing the iterator early aborts it. None when the request is unknown (never
+        dispatched, or long over)."""
         ...
 
 

@@ -459,7 +459,8 @@ class LLMEngine:
 
     def _generator(self, group: SequenceGroup, seq: Sequence) -> torch.Generator | None:
         if seq.seq_id not in self._generators:
-            self._generators[seq.seq_id] = make_generator(group.sampling_params.seed, seq.index)
+            params = group.sampling_params
+            self._generators[seq.seq_id] = make_generator(params.seed, seq.index, skip=params.seed_offset)
         return self._generators[seq.seq_id]
 
     def _append_token(self, group: SequenceGroup, seq: Sequence, token: int,

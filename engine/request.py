@@ -38,6 +38,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    # Draws of the seeded generator to skip before the first token: the tokens an earlier dispatch of this
+    # request already sampled (a failover re-dispatches it with those tokens in the prompt), so the seeded
+    # stream goes on where it was instead of starting again.
+    seed_offset: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
@@ -63,6 +67,8 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.seed_offset, int) or self.seed_offset < 0:
+            raise ValueError(f"seed_offset must be an integer >= 0, got {self.seed_offset!r}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -60,19 +60,23 @@ class SamplerOutput:
 
 
 def make_generator(
-    seed: int | None, index: int, device: str | torch.device = "cpu"
+    seed: int | None, index: int, device: str | torch.device = "cpu", skip: int = 0
 ) -> torch.Generator | None:
     """A generator for sample ``index`` of a request with ``seed``; None when unseeded.
 
     Sample 0 uses the seed itself; other samples mix in the index so the ``n`` samples of one
     seeded request differ from each other yet are each reproducible. The sampler draws one
-    number per step from it, on the generator's device, whatever the logits' device.
+    number per step from it, on the generator's device, whatever the logits' device. ``skip``:
+    steps already sampled elsewhere (``SamplingParams.seed_offset``); their draws are made and
+    dropped here, one at a time exactly as the sampler makes them, so the stream goes on from there.
     """
     if seed is None:
         return None
     mixed = (seed ^ (index * 0x9E3779B97F4A7C15)) & 0xFFFF_FFFF_FFFF_FFFF
     gen = torch.Generator(device=device)
     gen.manual_seed(mixed)
+    for _ in range(skip):
+        torch.rand(1, generator=gen, dtype=torch.float64, device=gen.device)
     return gen
 
 

@@ -24,8 +24,10 @@ Keys (``P`` is ``chatsvc:``; ``{id}`` a worker id, unique per worker process: a 
   dispatch id, so a late write of the dead worker can never mix into the new stream.
 * ``P route:session:{sid}`` (string, TTL): the worker that served the session's last turn (its prefix
   blocks are cached there): the explicit session -> worker record the router reads.
-* ``P route:request:{rid}`` (string, TTL): ``{"worker", "dispatch"}`` of a running request, so that any
-  gateway can abort it.
+* ``P route:request:{rid}`` (string, TTL): ``{"worker", "dispatch", "base", "prompt_tokens"}`` of a running
+  request, so that any gateway can abort it or, if its gateway died, take its stream over (``base``: output
+  tokens streamed by earlier dispatches, before a failover; ``prompt_tokens``: the original prompt's length).
+  Readers ignore fields they do not know; the last two are optional.
 * ``P pins`` (hash): pin key -> JSON token ids: the prefixes (personas) a worker pins when it serves them.
 * ``P reply:{call}`` (list, TTL): the one reply to a ``Pin`` that asked for it (RPUSH by the worker, BLPOP
   by the caller).
@@ -102,7 +104,7 @@ class Keys:
 @dataclass(frozen=True)
 class Generate:
     """Run a request. ``prompt_token_ids`` already holds any tokens an earlier dispatch streamed (failover), and
-    ``params.max_tokens`` counts only what is left. ``pin``: a pin key whose prefix the prompt starts with; the
+    ``params.max_tokens`` counts only what is left (``params.seed_offset``: how many of them were sampled). ``pin``: a pin key whose prefix the prompt starts with; the
     worker pins it (once) if it has not yet."""
 
     TYPE: ClassVar[str] = "generate"

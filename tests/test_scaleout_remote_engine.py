@@ -18,17 +18,19 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 from gateway_fixtures import redis_proc  # noqa: F401
 from scaleout_workers import TINY_FLAGS, WorkerProc
 
 from chatsvc.remote_engine import RemoteEngine
-from engine.client import EngineDeadError
+from engine.client import EngineDeadError, StreamLimits, StreamOverflowError
 from engine.engine import RequestDelta
 from engine.request import SamplingParams
 from engine.streams import Keys
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
+TTL_S = 4.0  # beats every second; a shorter TTL lapses when a loaded machine stalls a worker for a moment
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def workers(redis_proc, tiny: Path) -> Iterator[list[WorkerProc]]:  # noqa: F811
     redis.Redis.from_url(redis_proc.url).flushdb()
-    procs = [WorkerProc(redis_proc.url, str(tiny), name, *TINY_FLAGS) for name in ("wa", "wb")]
+    procs = [WorkerProc(redis_proc.url, str(tiny), name, *TINY_FLAGS, ttl_s=TTL_S) for name in ("wa", "wb")]
     try:
         for p in procs:
             p.wait_registered()
@@ -208,6 +210,82 @@ async def test_kill_9_mid_reply_fails_over_with_the_uninterrupted_greedy_reply(
     assert list(gateway.workers) == [survivor.id]
     await wait_for(lambda: idle_and_free(survivor))
     dead.proc.wait(10)
+
+
+async def test_kill_9_mid_reply_continues_a_seeded_sampled_stream(
+        gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    extra = WorkerProc(redis_proc.url, str(tiny), "wc", *TINY_FLAGS, ttl_s=TTL_S)
+    workers.append(extra)  # the module's teardown stops it; the survivor of the two stays for the drain test
+    await asyncio.to_thread(extra.wait_registered)
+    await wait_for(lambda: len(gateway.workers) == 2)
+    prompt = [13 + (i * 5) % 240 for i in range(31)]
+
+    def params() -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=4321, max_tokens=400, ignore_eos=True)
+
+    reference = [d async for d in gateway.generate("seeded-ref", params(), prompt_token_ids=prompt)]
+    stream = gateway.generate("seeded", params(), prompt_token_ids=prompt)
+    got = [await anext(stream)]
+    victim = json.loads(route(redis_proc.url, Keys().request("seeded")) or "{}")["worker"]
+    dead = next(w for w in workers if w.id == victim)
+    os.kill(dead.pid, signal.SIGKILL)
+    got += [d async for d in stream]
+    assert gateway.failovers == 1  # re-dispatched mid-reply, with the count of tokens already sampled
+    assert len(tokens(got)) == 400
+    assert tokens(got) == tokens(reference)  # the new worker's generator went on where the dead one was
+    dead.proc.wait(10)
+    survivor = next(w for w in workers if w.proc.poll() is None)
+    await wait_for(lambda: idle_and_free(survivor))
+
+
+async def test_a_full_queue_on_one_worker_is_retried_on_another(
+        gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    full = WorkerProc(redis_proc.url, str(tiny), "full", *TINY_FLAGS, "--max-waiting", "0", ttl_s=TTL_S)  # refuses all
+    try:
+        await asyncio.to_thread(full.wait_registered)
+        await wait_for(lambda: full.id in gateway.workers)
+        other = next(w for w in workers if w.proc.poll() is None)
+        redis.Redis.from_url(redis_proc.url).set(Keys().session("s-full"), full.id)  # its last turn ran there
+        got = await run(gateway, "retried", [5, 6, 7, 8], 6, session_id="s-full")
+        assert len(tokens(got)) == 6 and got[-1].finish_reason == "length"
+        assert route(redis_proc.url, Keys().session("s-full")) == other.id  # answered by the other worker
+        assert gateway.failovers == 0
+    finally:
+        assert await asyncio.to_thread(full.terminate) == 0
+    await wait_for(lambda: full.id not in gateway.workers)
+
+
+async def test_a_reader_that_stops_reading_has_its_request_aborted(
+        redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, stream_limits=StreamLimits(max_buffered=40))
+    await eng.start()
+    try:
+        await wait_for(lambda: len(eng.workers) == 1)
+        params = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+        stream = eng.generate("never-read", params, prompt_token_ids=list(range(30, 50)))
+        first = await anext(stream)
+        assert not first.request_finished
+        await wait_for(lambda: eng.stream_counters.overflowed == 1)  # the worker wrote on; nobody read
+        with pytest.raises(StreamOverflowError):
+            await anext(stream)
+        survivor = next(w for w in workers if w.proc.poll() is None)
+        await wait_for(lambda: idle_and_free(survivor))
+        assert not eng._readers
+    finally:
+        await eng.stop()
+
+
+def test_a_seed_offset_skips_exactly_the_draws_made_before() -> None:
+    from engine.sampler import make_generator
+
+    fresh = make_generator(99, 0)
+    assert fresh is not None
+    draws = [torch.rand(1, generator=fresh, dtype=torch.float64).item() for _ in range(7)]
+    resumed = make_generator(99, 0, skip=5)
+    assert resumed is not None
+    assert [torch.rand(1, generator=resumed, dtype=torch.float64).item() for _ in range(2)] == draws[5:]
+    assert RemoteEngine._rest(SamplingParams(seed=1, max_tokens=10), 4).seed_offset == 4
+    assert RemoteEngine._rest(SamplingParams(max_tokens=10), 4).seed_offset == 0
 
 
 async def test_sigterm_drains_the_running_request_then_leaves(gateway: RemoteEngine,
