@@ -8,7 +8,8 @@ pool, or freed to be recomputed. While any group is swapped out nothing new is a
 
 Swap or recompute: ``preemption_mode="auto"`` picks, per preempted group, whichever the engine's
 measured costs (``PreemptionCosts``, plain numbers the engine reports) say is cheaper: moving the
-group's blocks to the CPU pool and back, or prefilling its tokens again. Without CPU room it recomputes.
+group's blocks to the CPU pool and back, or prefilling its tokens again (less the prompt blocks other requests
+keep on the device, which re-admission finds in the prefix cache). Without CPU room it recomputes.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ same KV budget in tokens (``--kv-tokens``, split into ``kv_tokens // block_size`
 sequence; large ones waste up to ``block_size - 1`` slots per sequence, which caps the batch the budget
 holds (the mean number of running sequences and the preemptions say how much).
 
-Throughput (``--throughput``, runs the real model; a few minutes on 2 cores): a smaller draw of the same
+Throughput (``--throughput``, runs the real model: 28 engine runs, about 5 minutes on 2 idle cores): a smaller draw of the same
 kind (the first ``--throughput-prompts`` ShareGPT prompts, outputs uniform in 1..``--throughput-max-output``,
 prompt + output cut to ``--throughput-max-len``) through ``LLMEngine`` at each block size, under one KV budget
 in tokens (``--throughput-kv-tokens``, ``kv_tokens // block_size`` blocks) that holds only part of the batch,
