@@ -107,7 +107,8 @@ def throughput_workload(args: argparse.Namespace) -> ThroughputWorkload:
 def throughput(block_size: int, work: ThroughputWorkload) -> tuple[float, float, int]:
     """(output tokens per second of wall time, per second of this process's CPU time, preemptions) of the real
     engine on the workload, all requests at once. CPU time leaves out what other processes on the machine
-    take (or a stopped process loses); wall time is what a client sees."""
+    take (or a stopped process loses), though not its own threads spinning while a core is taken; wall time
+    is what a client sees."""
     from engine.engine import LLMEngine
 
     count = len(work.prompt_lens)
@@ -253,8 +254,8 @@ def main() -> None:
             f"1..{args.throughput_max_output} (seed {args.seed}, {sum(work.output_lens)} in all), all at t=0; KV "
             f"budget {work.kv_tokens} tokens; prefix caching off; preemption by recompute",
             f"tput/16 = median over {args.rounds} interleaved rounds of (output tokens/s) / (same round's at block "
-            f"16), range in brackets; cpu/16 = the same per second of the engine process's CPU time (what other "
-            f"processes take left out); tpreempt = preemptions in a throughput run; load average before "
+            f"16), range in brackets; cpu/16 = the same per second of the engine process's CPU time (leaves out "
+            f"waiting for a core, not its threads' spinning meanwhile); tpreempt = preemptions in a throughput run; load average before "
             f"{load_before[0]:.2f}, after {load_after[0]:.2f} (shared 2-core machine: ratios, not times)",
         ]
     lines += [
