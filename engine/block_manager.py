@@ -251,6 +251,25 @@ class BlockManager:
                 seen[block_id] = None
         return list(seen)
 
+    def resident_prefix_blocks(self, group: SequenceGroup) -> int:
+        """Leading blocks of the group's table that a table or pin outside the group also holds: freeing the
+        group keeps them on the device, cached, so a recompute finds them as prefix hits instead of redoing
+        their tokens."""
+        seqs = [s for s in group.seqs if s.seq_id in self._tables and s.seq_id not in self._on_cpu]
+        if not seqs or not self.enable_prefix_caching:
+            return 0
+        inside: dict[int, int] = {}
+        for seq in seqs:
+            for block_id in self._tables[seq.seq_id]:
+                inside[block_id] = inside.get(block_id, 0) + 1
+        count = 0
+        for block_id in self._tables[seqs[0].seq_id]:
+            block = self.device.blocks[block_id]
+            if block.ref_count <= inside[block_id] or not self.device.is_cached(block_id):
+                break
+            count += 1
+        return count
+
     def can_swap_out(self, group: SequenceGroup) -> bool:
         return len(self._group_blocks(group)) <= self.cpu.num_free
 

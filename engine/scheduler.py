@@ -8,7 +8,8 @@ pool, or freed to be recomputed. While any group is swapped out nothing new is a
 
 Swap or recompute: ``preemption_mode="auto"`` picks, per preempted group, whichever the engine's
 measured costs (``PreemptionCosts``, plain numbers the engine reports) say is cheaper: moving the
-group's blocks to the CPU pool and back, or prefilling its tokens again. Without CPU room it recomputes.
+group's blocks to the CPU pool and back, or prefilling its tokens again (less the prompt blocks other requests
+keep on the device, which re-admission finds in the prefix cache). Without CPU room it recomputes.
 """
 
 from __future__ import annotations
@@ -79,14 +80,17 @@ def choose_preemption(mode: PreemptionMode, can_swap: bool, num_blocks: int, num
     return "swap" if swap_s <= recompute_s else "recompute"
 
 
-def recompute_tokens(group: SequenceGroup) -> int:
-    """Tokens a recompute of the group prefills again: the shared prompt once, then each sequence's own."""
+def recompute_tokens(group: SequenceGroup, resident_tokens: int = 0) -> int:
+    """Tokens a recompute of the group prefills again: the shared prompt once, then each sequence's own.
+    ``resident_tokens`` of the prompt stay on the device in blocks others hold (a shared system prompt):
+    re-admission finds them in the prefix cache, so they cost nothing to recompute."""
     seqs = group.unfinished_seqs()
     if not seqs:
         return 0
     prompt = group.num_prompt_tokens
     computed = [s.num_computed_tokens for s in seqs]
-    return min(prompt, max(computed)) + sum(max(0, c - prompt) for c in computed)
+    prompt_done = min(prompt, max(computed))
+    return prompt_done - min(resident_tokens, prompt_done) + sum(max(0, c - prompt) for c in computed)
 
 
 @dataclass
@@ -232,8 +236,9 @@ class Scheduler:
     def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
         bm = self.block_manager
         num_blocks = len({b for seq in group.seqs for b in bm.block_table(seq)})
+        resident = bm.resident_prefix_blocks(group) * bm.block_size
         return choose_preemption(self.config.preemption_mode, bm.can_swap_out(group), num_blocks,
-                                 recompute_tokens(group), self.costs)
+                                 recompute_tokens(group, resident), self.costs)
 
     def _schedule_swapped(self, plan: _StepPlan, budget: int) -> int:
         while self.swapped and budget > 0:

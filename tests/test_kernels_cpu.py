@@ -102,6 +102,18 @@ def test_prefill_matches_oracle_and_reference(isa: str, gen: torch.Generator, bl
     _check(p, _prefill(p), dtype)
 
 
+
+@pytest.mark.parametrize("block_size", [1, 2, 64, 128, 256])
+def test_every_block_size_the_paper_sweeps(isa: str, gen: torch.Generator, block_size: int) -> None:
+    """The block sizes benchmarks/paper/block_size.py runs beyond the cases above: one token per block, and
+    blocks larger than every context (one partly filled block per sequence), for decode and a mixed step."""
+    p = make_problem([1, 37, 300], block_size=block_size, group=3, dtype=torch.bfloat16, shared_blocks=1,
+                     generator=gen)
+    _check(p, _decode(p), torch.bfloat16)
+    p = make_problem([40, 17, 300], [40, 3, 1], block_size=block_size, group=3, dtype=torch.bfloat16,
+                     shared_blocks=1, generator=gen)
+    _check(p, _prefill(p), torch.bfloat16)
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_prefill_every_cached_prefix_length(isa: str, gen: torch.Generator, block_size: int) -> None:
     """One sequence per prefix length 0..N-1 of the same N-token context, all in one batch."""

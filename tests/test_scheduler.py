@@ -629,3 +629,48 @@ def test_random_operations(
     d.run()
     for g in d.groups:
         assert g.is_finished
+
+
+def test_recompute_skips_a_prompt_prefix_that_other_requests_keep_on_the_device() -> None:
+    # Two requests share a 2-block system prompt; preempting one leaves those blocks held by the other,
+    # so its recompute redoes only its own tokens, and with the prefill dear against the swap auto sees that.
+    d = make(block_size=4, num_device=32, num_cpu=32, preemption_mode="auto")
+    system = prompt(8, salt=9)
+    a = d.add(system + prompt(3, salt=1), max_tokens=4)
+    b = d.add(system + prompt(3, salt=2), max_tokens=4)
+    d.step()
+    d.step()
+    bm = d.bm
+    assert bm.resident_prefix_blocks(b) == 2 and bm.resident_prefix_blocks(a) == 2
+    assert recompute_tokens(b) == 12 and recompute_tokens(b, 2 * 4) == 4
+    # Alone, nothing of the prompt survives a free.
+    d.s.abort(a.request_id)
+    assert bm.resident_prefix_blocks(b) == 0
+    # Swapped-out groups hold nothing on the device.
+    assert bm.resident_prefix_blocks(a) == 0
+
+
+@pytest.mark.parametrize(("caching", "chosen"), [(True, "recompute"), (False, "swap")])
+def test_auto_counts_a_prompt_prefix_that_stays_cached_as_free_to_recompute(caching: bool, chosen: str) -> None:
+    # Two requests share a 2-block system prompt in a 7-block pool; the newer is preempted with 16 tokens
+    # computed in 4 blocks: 12 ms to swap, 16 ms to recompute all of it, 8 ms for its own 8 tokens when the
+    # other request keeps the shared 8 cached. With prefix caching off nothing is shared or stays: preempted
+    # earlier, with 12 tokens in 3 blocks, 9 ms to swap against 12 to recompute.
+    costs = PreemptionCosts(swap_seconds_per_block=3e-3, prefill_seconds_per_token=1e-3)
+    d = make(block_size=4, num_device=7, num_cpu=32, caching=caching, preemption_mode="auto", costs=costs)
+    system = prompt(8, salt=9)
+    d.add(system + prompt(3, salt=1), max_tokens=8)
+    victim = d.add(system + prompt(3, salt=2), max_tokens=8)
+    preempted = None
+    for _ in range(12):
+        before = victim.seqs[0].num_computed_tokens
+        out = d.step()
+        if out.preempted:
+            preempted = out
+            break
+    assert preempted is not None and preempted.preempted == (victim.request_id,)
+    assert before == (16 if caching else 12)
+    assert bool(preempted.blocks_to_swap_out) == (chosen == "swap")
+    d.run()
+    other = "swap" if chosen == "recompute" else "recompute"
+    assert d.s.num_preemptions[chosen] >= 1 and d.s.num_preemptions[other] == 0
