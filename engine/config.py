@@ -59,8 +59,7 @@ class EngineConfig:
         "auto", "onednn: weights packed once for oneDNN (auto: where it runs the dtype natively)")
     quantization: Quantization = _setting(
         None, "int8: the projections (not the LM head) in int8, weights per channel, activations per token "
-              "(oneDNN where the CPU has VNNI/AMX, else fbgemm; CPU only). Faster linears for some accuracy: "
-              "see README")
+              "(oneDNN; CPUs with VNNI/AMX only). Costs accuracy and, with native bf16, speed: see README")
     engine_threads: int | None = _setting(None, "torch threads of the engine (default: as torch chooses; all "
                                                 "cores in an engine process); split evenly among the "
                                                 "tensor-parallel ranks")
