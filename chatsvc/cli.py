@@ -93,7 +93,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices = literal_choices(hint)
         kind: type[int] | type[str] = int if int in typing.get_args(hint) or hint is int else str
         target.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), dest=f.name, default=default,
-                            choices=list(choices) or None, type=kind, help=help_text)
+                            choices=[c for c in choices if c is not None] or None, type=kind, help=help_text)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -20,6 +20,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
 LinearBackendName = Literal["auto", "onednn", "torch"]
+Quantization = Literal[None, "int8"]
 
 DEFAULT_KV_CACHE_MB = 1024
 
@@ -56,6 +57,9 @@ class EngineConfig:
         "auto", "auto: Triton on CUDA, the C++ kernels on CPU (torch's where they cannot be built)")
     linear_backend: LinearBackendName = _setting(
         "auto", "onednn: weights packed once for oneDNN (auto: where it runs the dtype natively)")
+    quantization: Quantization = _setting(
+        None, "int8: the projections (not the LM head) in int8, weights per channel, activations per token "
+              "(oneDNN; CPUs with VNNI/AMX only). Costs accuracy and, with native bf16, speed: see README")
     engine_threads: int | None = _setting(None, "torch threads of the engine (default: as torch chooses; all "
                                                 "cores in an engine process); split evenly among the "
                                                 "tensor-parallel ranks")

@@ -431,7 +431,7 @@ def _load_rank(rank: int, size: int, setup: Setup) -> ModelRunner:
     device = _device(config, rank)
     backend = get_backend(config.attention_backend, device)
     loaded = load_model(config.model, setup.dtype, device, backend, config.linear_backend,
-                        tp=TensorParallel(rank, size))
+                        tp=TensorParallel(rank, size), quantization=config.quantization)
     return ModelRunner(loaded.model, loaded.model.layer_config, backend, setup.cache, setup.dtype,
                        torch.device(device))
 

@@ -140,7 +140,8 @@ class LLMEngine:
         self.config = config
         self.dtype = resolve_dtype(config.dtype, config.device)
         backend = get_backend(config.attention_backend, config.device)
-        loaded = load_model(config.model, self.dtype, config.device, backend, config.linear_backend, tp=tp)
+        loaded = load_model(config.model, self.dtype, config.device, backend, config.linear_backend, tp=tp,
+                            quantization=config.quantization)
         self.model_path = loaded.path
         self.model_name = loaded.config.name or loaded.path.stem
         self.model_config = loaded.config

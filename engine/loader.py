@@ -28,6 +28,7 @@ from engine.model import SUPPORTED_ARCHITECTURES, ModelConfig, architecture_alia
 from engine.model.linear import resolve_linear_backend
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import TensorParallel
+from engine.model.quant import QUANTIZATIONS, int8_kernel
 from engine.tokenizer import Tokenizer
 from kernels import AttentionBackend, get_backend
 
@@ -70,7 +71,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 
 def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
                attention_backend: str | AttentionBackend = "auto", linear_backend: str = "auto",
-               tp: TensorParallel | None = None) -> LoadedModel:
+               tp: TensorParallel | None = None, quantization: str | None = None) -> LoadedModel:
     """Load a supported model; ValueError says what is wrong with an unusable path or file.
 
     ``attention_backend``: the kernels the model's layers call, or a name for ``kernels.get_backend``.
@@ -78,12 +79,18 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
     ``linear_backend``: "onednn" packs every linear once for oneDNN, "torch" keeps ``F.linear``,
     "auto" packs where oneDNN runs the dtype natively (see engine.model.linear).
 
+    ``quantization``: "int8" runs every projection (not the LM head) in int8, weights quantized here with
+    one scale per output channel, activations per token at every call (see engine.model.quant).
+
     ``tp``: load only this rank's shard of a tensor-parallel model (see engine.model.parallel); a size that
     does not split the model's heads evenly is a ValueError naming the valid ones.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
     linear_impl = resolve_linear_backend(linear_backend, dtype, device)
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    kernel = int8_kernel(device) if quantization == "int8" else None
     path, config, weights, tokenizer = _open(model)
     backend = get_backend(attention_backend, device) if isinstance(attention_backend, str) else attention_backend
     net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype, tp=tp)
@@ -92,6 +99,8 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
     net.eval()
     if linear_impl == "onednn":
         net.pack_linears()
+    if kernel is not None:
+        net.quantize_linears(kernel)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)
 
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.model.quant import Int8Weight, make_int8_weight
+
 log = logging.getLogger(__name__)
 
 LinearBackend = Literal["auto", "onednn", "torch"]
@@ -81,7 +83,8 @@ class Linear(nn.Module):
     and nn.Linear's random init (or building on the meta device) costs seconds for nothing.
 
     After :meth:`pack` the forward pass runs on the packed copy; the plain weight stays the parameter
-    (checkpoint loading, tests and the LM head's tied embedding read it).
+    (checkpoint loading, tests and the LM head's tied embedding read it). After :meth:`quantize` it runs
+    in int8 instead (see engine.model.quant).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str,
@@ -90,14 +93,25 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.packed: Tensor | None = None
+        self.int8: Int8Weight | None = None
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def quantize(self, kernel: str) -> None:
+        """Run in int8 with ``kernel`` ("onednn" or "fbgemm") from now on; a packed copy is dropped."""
+        self.int8 = make_int8_weight(self.weight, kernel)
+        self.packed = None
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        if self.int8 is not None:
+            return self.int8(x, bias)
         if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.matmul(x, self.bias)
 
 
 __all__ = ["LINEAR_BACKENDS", "Linear", "LinearBackend", "gemm_rows", "onednn_supports", "pack_weight", "packed_linear",

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.model import ModelConfig
-from engine.model.linear import Linear, packed_linear
+from engine.model.linear import Linear
 
 # HF weight-name suffixes by how they are split.
 _COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -126,7 +126,8 @@ class TensorParallel:
 
 class RowParallelLinear(Linear):
     """A linear whose input features are split over the ranks: each computes a partial sum, one all-reduce
-    adds them up. Still one packed oneDNN GEMM per rank (``pack`` is the base class's)."""
+    adds them up. Still one packed oneDNN (or int8) GEMM per rank (``pack`` and ``quantize`` are the base
+    class's)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device: torch.device | str,
                  dtype: torch.dtype, tp: TensorParallel) -> None:
@@ -135,7 +136,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias if self.tp.rank == 0 else None  # added once, not once per rank
-        out = packed_linear(x, self.packed, bias) if self.packed is not None else F.linear(x, self.weight, bias)
+        out = self.matmul(x, bias)
         self.tp.all_reduce(out)
         return out
 
