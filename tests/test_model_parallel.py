@@ -85,6 +85,9 @@ def _sharded_logits(rank: int, size: int, store: str, cases: list[tuple[str, str
                 logits = lm.model.compute_logits(lm.model(torch.tensor(ids[0] + ids[1]), pos, kv, meta))
             if rank == 0:
                 torch.save({"ids": ids, "logits": logits}, out)
+        # Both ranks past their last collective before either tears gloo down: a rank destroying the group
+        # while its peer is still in one aborted ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 KA, KB = "key-a", "key-b"
 A, B = ({"Authorization": f"Bearer {k}"} for k in (KA, KB))
 ENGINE_KW: dict[str, Any] = {"dtype": "float32", "attention_backend": "torch", "block_size": 16,
-                             "num_kv_blocks": 1024, "max_num_seqs": 1, "max_waiting": 8, "swap_space_mb": 0}
+                             "num_kv_blocks": 4096, "max_num_seqs": 1, "max_waiting": 8, "swap_space_mb": 0}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
     from engine.model.testing import make_tiny_model_dir
 
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
-    tiny = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-share"), arch="llama", max_position_embeddings=8192)
+    tiny = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-share"), arch="llama", max_position_embeddings=65536)
     eng = ProcessEngine.from_args(str(tiny), engine_threads=1, **ENGINE_KW)
     settings = Settings(api_keys=(KA, KB), web_dir=Path("/nonexistent"), max_streams_per_key=10,
                         max_waiting_share=0.25)
@@ -67,10 +67,11 @@ def test_one_key_holds_at_most_its_share_of_the_waiting_queue(server: LiveServer
         return t
 
     with ExitStack() as stack:
-        # The one sequence the engine runs: a long reply, read until the test is done with it.
+        # The one sequence the engine runs: a reply too long (60,000 tokens) to end while the test queues behind
+        # it, even on a loaded machine (8,000 did once, and the request meant for a 429 was admitted).
         long = stack.enter_context(httpx.stream(
             "POST", server.url + "/v1/completions", headers=A, timeout=120,
-            json={"prompt": "Hi", "max_tokens": 8000, "ignore_eos": True, "stream": True}))
+            json={"prompt": "Hi", "max_tokens": 60000, "ignore_eos": True, "stream": True}))
         assert long.status_code == 200
         lines = long.iter_lines()
         next(lines)  # generating (the iterator is kept: dropping it would close the response)
