@@ -68,13 +68,21 @@ class PreemptionCosts:
 
 
 def choose_preemption(mode: PreemptionMode, can_swap: bool, num_blocks: int, num_tokens: int,
-                      costs: PreemptionCosts) -> PreemptionMode:
+                      costs: PreemptionCosts, shared_blocks: int = 0) -> PreemptionMode:
     """"swap" or "recompute" for a group holding ``num_blocks`` blocks whose recompute redoes ``num_tokens``
-    tokens. Recompute whenever the CPU pool cannot take the blocks; ties go to swap (no work is redone)."""
+    tokens. Recompute whenever the CPU pool cannot take the blocks; ties go to swap (no work is redone).
+
+    ``shared_blocks`` of them are also held outside the group (a shared system prompt). Swapping those
+    frees nothing now and brings them back as private copies, while a recompute finds them in the prefix
+    cache: once they are half the group's blocks or more, a swap would at least double what the group holds
+    on its return, so auto recomputes whatever the times say (16 requests behind a 256-token system prompt:
+    recompute served 1.79x the tokens/s of swap, docs/paper/swap_recompute.txt)."""
     if mode == "recompute" or not can_swap:
         return "recompute"
     if mode == "swap":
         return "swap"
+    if shared_blocks and 2 * shared_blocks >= num_blocks:
+        return "recompute"
     swap_s = num_blocks * costs.swap_seconds_per_block
     recompute_s = num_tokens * costs.prefill_seconds_per_token
     return "swap" if swap_s <= recompute_s else "recompute"
@@ -236,9 +244,9 @@ class Scheduler:
     def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
         bm = self.block_manager
         num_blocks = len({b for seq in group.seqs for b in bm.block_table(seq)})
-        resident = bm.resident_prefix_blocks(group) * bm.block_size
+        resident = bm.resident_prefix_blocks(group)
         return choose_preemption(self.config.preemption_mode, bm.can_swap_out(group), num_blocks,
-                                 recompute_tokens(group, resident), self.costs)
+                                 recompute_tokens(group, resident * bm.block_size), self.costs, resident)
 
     def _schedule_swapped(self, plan: _StepPlan, budget: int) -> int:
         while self.swapped and budget > 0:

@@ -383,6 +383,15 @@ def test_choose_preemption_compares_round_trip_against_prefill() -> None:
     assert choose_preemption("recompute", True, 3, 10**6, costs) == "recompute"
 
 
+def test_auto_recomputes_a_group_whose_blocks_are_mostly_shared() -> None:
+    # Swapping blocks others hold frees none of them and brings them back as private copies.
+    costs = PreemptionCosts(swap_seconds_per_block=2e-4, prefill_seconds_per_token=1e-3)
+    assert choose_preemption("auto", True, 18, 30, costs) == "swap"  # by time alone: 3.6 ms against 30 ms
+    assert choose_preemption("auto", True, 18, 30, costs, shared_blocks=9) == "recompute"
+    assert choose_preemption("auto", True, 18, 30, costs, shared_blocks=8) == "swap"
+    assert choose_preemption("swap", True, 18, 30, costs, shared_blocks=16) == "swap"  # a fixed mode is fixed
+
+
 def test_recompute_tokens_count_a_shared_prompt_once() -> None:
     d = make(block_size=2, num_device=32)
     g = d.add(prompt(5), max_tokens=4, n=3)
