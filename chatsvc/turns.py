@@ -246,13 +246,20 @@ class TurnRegistry:
         at.running = True
         if not await self._admit(at, gen, admitted) and at.session_id not in self.active:
             return  # refused: rolled back
-        parts: list[str] = []
-        reason = "abort"
+        await self._relay(at, gen.deltas() if gen.started else None, gen.close, [], "abort",
+                          len(gen.prompt_token_ids))
+
+    async def _relay(self, at: ActiveTurn, deltas: AsyncIterator[Any] | None,
+                     close: Callable[[], Awaitable[None]] | None, parts: list[str], reason: str,
+                     prompt_len: int) -> None:
+        """Pass a reply's deltas to its readers, then store it: the path of a turn generated here and of one
+        taken over from a dead gateway. ``reason`` is the finish reason if no delta is read at all."""
         last: Any = None
         key = self.store.stream_key(at.session_id, at.turn)
         try:
-            if gen.started and not at.abort_requested:
-                async for d in gen.deltas():
+            if deltas is not None and not at.abort_requested:
+                reason = "abort"
+                async for d in deltas:
                     last = d
                     parts.append(d.text)
                     if d.finished:
@@ -271,8 +278,9 @@ class TurnRegistry:
             log.exception("turn %s failed", at.request_id)
             reason = "error"
         finally:
-            await gen.close()
-        await self._store_reply(at, key, parts, reason, last, len(gen.prompt_token_ids))
+            if close is not None:
+                await close()
+        await self._store_reply(at, key, parts, reason, last, prompt_len)
 
     async def _store_reply(self, at: ActiveTurn, key: str, parts: list[str], reason: str, last: Any,
                            prompt_len: int) -> None:
@@ -330,32 +338,7 @@ class TurnRegistry:
 
     async def _run_adopted(self, at: ActiveTurn, stream: AsyncIterator[Any] | None, parts: list[str]) -> None:
         at.running = True
-        reason = "interrupted"
-        last: Any = None
-        key = self.store.stream_key(at.session_id, at.turn)
-        try:
-            if stream is not None and not at.abort_requested:
-                reason = "abort"
-                async for d in stream:
-                    last = d
-                    parts.append(d.text)
-                    if d.finished:
-                        reason = d.finish_reason or "stop"
-                    if d.token_ids or d.text:
-                        n = len(d.token_ids)
-                        self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
-                if at.unwritten:
-                    at.drained = asyncio.get_running_loop().create_future()
-                    await at.drained
-        except asyncio.CancelledError:
-            reason = "abort"
-        except Exception:
-            log.exception("adopted turn %s failed", at.request_id)
-            reason = "error"
-        finally:
-            if stream is not None and hasattr(stream, "aclose"):
-                await stream.aclose()
-        await self._store_reply(at, key, parts, reason, last, 0)
+        await self._relay(at, stream, getattr(stream, "aclose", None), parts, "interrupted", 0)
 
     async def _retrying(self, at: ActiveTurn, deadline: float, op: Callable[[], Awaitable[T]]) -> T:
         """``op()``, retried with backoff while Redis is unreachable, until ``deadline`` (then it raises).

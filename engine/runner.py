@@ -182,8 +182,10 @@ class ModelRunner:
         slots = tables[seq_of_token, pos // bs].long() * bs + pos % bs
         dev = self.device
         num_tokens = len(input_ids)
-        rows_run = gemm_rows(num_tokens) if self.pad_rows else num_tokens
-        if rows_run > num_tokens:  # padding: token 0 at position 0, neither stored nor attended from
+        # Only steps with a prompt chunk are padded: decode-only row counts are few already (one per batch
+        # size). Attention runs on the real rows alone (AttentionMetadata.num_tokens).
+        rows_run = gemm_rows(num_tokens) if self.pad_rows and prefills else num_tokens
+        if rows_run > num_tokens:  # padding: token 0 at position 0
             input_ids.extend([0] * (rows_run - num_tokens))
             pos = torch.cat((pos, pos.new_zeros(rows_run - num_tokens)))
         meta = AttentionMetadata(

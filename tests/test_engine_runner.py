@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from engine.engine import LLMEngine
@@ -49,32 +50,41 @@ def test_a_freed_row_is_reused() -> None:
     assert tables.table.shape == (2, 4)
 
 
-def test_padded_rows_change_no_token_and_no_kv(tmp_path: Path) -> None:
-    """A step padded to a GEMM row bucket stores and samples exactly what the unpadded step does."""
+@pytest.mark.parametrize("attention_backend", ["auto", "torch"])
+def test_padded_rows_change_no_token_and_no_kv(tmp_path: Path, attention_backend: str) -> None:
+    """A step padded to a GEMM row bucket stores and samples exactly what the unpadded step does, with the
+    C++ kernels and with torch's: a prefill step, then a step mixing decodes with a prompt."""
     model_dir = str(make_tiny_model_dir(tmp_path))
-    prompts = [[10 + 90 * k + i for i in range(n)] for k, n in enumerate((30, 25, 22))]  # 77 tokens: 80 rows
+    first = [[10 + 90 * k + i for i in range(n)] for k, n in enumerate((30, 25))]  # 55 tokens: exact
+    late = [200 + i for i in range(70)]  # with the two decodes: 72 rows, padded to 80
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runs = []
     for pad in (True, False):
-        engine = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=64)
+        engine = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=64,
+                                     attention_backend=attention_backend)
         engine.runner.pad_rows = pad
-        rows: list[tuple[int, int | None]] = []
+        rows: list[tuple[int, int]] = []
         prepare = engine.runner.prepare
 
-        def observed(scheduled: Any, prepare: Any = prepare, rows: list[tuple[int, int | None]] = rows) -> Any:
+        def observed(scheduled: Any, prepare: Any = prepare, rows: list[tuple[int, int]] = rows) -> Any:
             inp = prepare(scheduled)
-            rows.append((int(inp.input_ids.shape[0]), inp.attn_metadata.num_tokens))
+            rows.append((int(inp.input_ids.shape[0]), int(inp.attn_metadata.query_start_loc[-1])))
             return inp
 
         engine.runner.prepare = observed  # type: ignore[method-assign]
-        for i, ids in enumerate(prompts):
+        for i, ids in enumerate(first):
             engine.add_request(str(i), params, prompt_token_ids=ids)
         tokens: dict[str, list[int]] = {}
+        steps = 0
         while engine.has_unfinished():
+            if steps == 1:
+                engine.add_request("late", params, prompt_token_ids=late)
             for delta in engine.step():
                 tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+            steps += 1
         runs.append((tokens, engine.runner.kv_cache.clone(), rows))
     (padded_tokens, padded_kv, padded_rows), (exact_tokens, exact_kv, exact_rows) = runs
-    assert padded_rows[0] == (80, 77) and exact_rows[0] == (77, None)
+    assert padded_rows[:2] == [(55, 55), (80, 72)] and exact_rows[:2] == [(55, 55), (72, 72)]
+    assert all(n == real for n, real in padded_rows[2:])  # decode-only steps are never padded
     assert padded_tokens == exact_tokens
     torch.testing.assert_close(padded_kv, exact_kv, atol=1e-5, rtol=1e-5)
