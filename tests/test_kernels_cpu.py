@@ -87,6 +87,8 @@ PREFILL_CASES = [
     (16, 3, 64, [70, 33, 20], [35, 33, 1], torch.float32, 1),
     (32, 4, 128, [50, 64, 9], [17, 64, 9], torch.float32, 1),
     (16, 3, 64, [45, 30, 2], [45, 12, 2], torch.bfloat16, 1),
+    (8, 4, 128, [70, 20, 9], [37, 20, 5], torch.bfloat16, 1),  # bf16 pair scores, scale not a power of 2
+    (16, 1, 64, [50, 13], [50, 13], torch.bfloat16, 0),  # tiles whose last row group is short
     (32, 4, 64, [40, 80], [23, 40], torch.float16, 0),
     (8, 3, 24, [29, 7, 16], [10, 7, 1], torch.float32, 0),
 ]

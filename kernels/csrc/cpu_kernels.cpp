@@ -234,6 +234,15 @@ constexpr int64_t kChunk = 64;
 constexpr int64_t kMinSplit = 256;  // below this a KV part costs less than its merge
 constexpr int64_t kTiledRows = 8;   // rows from which transposing a chunk of K pays for itself
 constexpr int64_t kSharedRows = 4;  // rows below kTiledRows that share each K/V load (a GQA group)
+// Rows of a prefill tile scored and accumulated together: each K or V vector loaded serves all of them.
+// Four rows keep 16 accumulators in AVX-512's 32 registers; AVX2's 16 hold two rows' eight.
+constexpr int64_t kTileRows = W >= 16 ? 4 : 2;
+constexpr int64_t kMaxPairs = 128;  // head sizes up to 256 take the pair path
+#if defined(__AVX512BF16__)
+constexpr bool kPairDot = true;  // bf16 K and Q multiplied pairwise by vdpbf16ps (exact products, float32 sums)
+#else
+constexpr bool kPairDot = false;
+#endif
 static_assert(kChunk % (4 * W) == 0, "scores_tiled writes whole groups of four vectors");
 
 struct Item {
@@ -250,6 +259,7 @@ struct Merge {
 
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kt, vf, part;
+  std::vector<uint32_t> qp, kp;  // bf16 queries and transposed K as pairs along the head dimension
   std::vector<const void*> krow, vrow, vrow_f;
 };
 
@@ -279,6 +289,18 @@ struct Attention {
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
       }
     }
+    // bf16 prefill tiles score on bf16 pairs; the scale is applied to the sums (exact for D = 64).
+    const bool pairs = kPairDot && std::is_same_v<T, c10::BFloat16> && R >= kTiledRows && D % 2 == 0 &&
+                       D <= 2 * kMaxPairs;
+    uint32_t* QP = sc.qp.data();
+    if (pairs) {
+      for (int64_t i = 0; i < n_q; ++i) {
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = q + (tok0 + i) * q_s0 + (it.kv_head * group + g) * q_s1;
+          std::memcpy(QP + (i * group + g) * (D / 2), src, D * sizeof(T));
+        }
+      }
+    }
     std::fill(acc, acc + R * D, 0.f);
     std::fill(M, M + R, -std::numeric_limits<float>::infinity());
     std::fill(L, L + R, 0.f);
@@ -306,10 +328,20 @@ struct Attention {
       }
       if (tiled) {
         const int64_t cols = std::min(kChunk, (cn + 4 * W - 1) / (4 * W) * (4 * W));
-        for (int64_t d = 0; d < D; ++d) {
-          float* dst = Kt + d * kChunk;
-          for (int64_t j = 0; j < cn; ++j) dst[j] = static_cast<float>(krow[j][d]);
-          std::fill(dst + cn, dst + cols, 0.f);  // scored, never used: keep them finite
+        if (pairs) {
+          uint32_t* Kp = sc.kp.data();
+          for (int64_t j = 0; j < cn; ++j) {
+            uint32_t row[kMaxPairs];
+            std::memcpy(row, krow[j], D * sizeof(T));
+            for (int64_t dp = 0; dp < D / 2; ++dp) Kp[dp * kChunk + j] = row[dp];
+          }
+          for (int64_t dp = 0; dp < D / 2; ++dp) std::fill(Kp + dp * kChunk + cn, Kp + dp * kChunk + cols, 0u);
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            float* dst = Kt + d * kChunk;
+            for (int64_t j = 0; j < cn; ++j) dst[j] = static_cast<float>(krow[j][d]);
+            std::fill(dst + cn, dst + cols, 0.f);  // scored, never used: keep them finite
+          }
         }
         for (int64_t j = 0; j < cn; ++j) {
           if constexpr (std::is_same_v<T, float>) {
@@ -339,24 +371,36 @@ struct Attention {
         }
         continue;
       }
-      // Two rows at a time: eight independent FMA chains hide the FMA latency that four would expose.
-      for (int64_t r = 0; r < R; r += 2) {
-        const int64_t r1 = std::min(r + 1, R - 1);  // an odd last row is paired with itself
-        const int64_t n0 = visible(r), n1 = visible(r1), n = std::max(n0, n1);
+      // kTileRows rows at a time. A tile's last rows may be fewer: the missing ones are scored from a real
+      // row into spare score rows, weigh nothing and accumulate into spare accumulators (sc holds both).
+      const int64_t spare = kQueryTile * group;
+      for (int64_t r = 0; r < R; r += kTileRows) {
+        const int64_t nr = std::min(kTileRows, R - r);
+        int64_t n_vis[kTileRows];
+        const float* qs[kTileRows];
+        const uint32_t* qps[kTileRows];
+        float *ss[kTileRows], *as[kTileRows];
+        for (int64_t i = 0; i < kTileRows; ++i) {
+          const int64_t row = r + std::min(i, nr - 1);
+          n_vis[i] = i < nr ? visible(row) : 0;
+          qs[i] = Q + row * D;
+          qps[i] = QP + row * (D / 2);
+          ss[i] = S + (i < nr ? row : spare + i) * kChunk;
+          as[i] = acc + (i < nr ? row : spare + i) * D;
+        }
+        const int64_t n = n_vis[nr - 1];  // a later row sees at least as much
         if (n <= 0) continue;
-        float *s0 = S + r * kChunk, *s1 = S + r1 * kChunk;
-        scores_tiled(Q + r * D, Q + r1 * D, Kt, n, s0, s1);
-        // A row that sees fewer positions weighs the rest 0, so both accumulate over the same n.
-        if (r1 == r) {
-          softmax_step(s0, n, M[r], L[r], acc + r * D);
-          accumulate(s0, n, vrow_f, acc + r * D);
-          continue;
+        if (pairs) {
+          scores_pairs(qps, sc.kp.data(), n, ss);
+        } else {
+          scores_tiled(qs, Kt, n, ss);
         }
-        for (auto [row, s_row, n_row] : {std::tuple{r, s0, n0}, std::tuple{r1, s1, n1}}) {
-          if (n_row > 0) softmax_step(s_row, n_row, M[row], L[row], acc + row * D);
-          std::fill(s_row + std::max<int64_t>(n_row, 0), s_row + n, 0.f);
+        // A row that sees fewer positions weighs the rest 0, so all accumulate over the same n.
+        for (int64_t i = 0; i < kTileRows; ++i) {
+          if (n_vis[i] > 0) softmax_step(ss[i], n_vis[i], M[r + i], L[r + i], as[i]);
+          std::fill(ss[i] + std::max<int64_t>(n_vis[i], 0), ss[i] + n, 0.f);
         }
-        accumulate2(s0, s1, n, vrow_f, acc + r * D, acc + r1 * D);
+        accumulate_rows(ss, n, vrow_f, as);
       }
     }
 
@@ -471,68 +515,80 @@ struct Attention {
     l += sum;
   }
 
-  // s0/s1[0..n) = q0/q1 . K[j] for K transposed [D, kChunk]: four vectors of positions per pass over D.
-  void scores_tiled(const float* q0, const float* q1, const float* Kt, int64_t n, float* s0, float* s1) const {
+  // s[i][0..n) = q[i] . K[j] for K transposed [D, kChunk], for kTileRows rows: four vectors of positions
+  // per pass over D, each K vector loaded once for every row.
+  void scores_tiled(const float* const* q, const float* Kt, int64_t n, float* const* s) const {
     for (int64_t c = 0; c < n; c += 4 * W) {
-      vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-      vf b0 = vzero(), b1 = vzero(), b2 = vzero(), b3 = vzero();
+      vf a[kTileRows][4];
+      for (auto& row : a) {
+        for (vf& x : row) x = vzero();
+      }
       const float* col = Kt + c;
       for (int64_t d = 0; d < head_dim; ++d, col += kChunk) {
-        const vf x = vset1(q0[d]), y = vset1(q1[d]);
-        const vf k0 = vload(col), k1 = vload(col + W), k2 = vload(col + 2 * W), k3 = vload(col + 3 * W);
-        a0 = vfma(x, k0, a0);
-        a1 = vfma(x, k1, a1);
-        a2 = vfma(x, k2, a2);
-        a3 = vfma(x, k3, a3);
-        b0 = vfma(y, k0, b0);
-        b1 = vfma(y, k1, b1);
-        b2 = vfma(y, k2, b2);
-        b3 = vfma(y, k3, b3);
+        const vf k[4] = {vload(col), vload(col + W), vload(col + 2 * W), vload(col + 3 * W)};
+        for (int64_t i = 0; i < kTileRows; ++i) {
+          const vf x = vset1(q[i][d]);
+          for (int b = 0; b < 4; ++b) a[i][b] = vfma(x, k[b], a[i][b]);
+        }
       }
-      vstore(s0 + c, a0);
-      vstore(s0 + c + W, a1);
-      vstore(s0 + c + 2 * W, a2);
-      vstore(s0 + c + 3 * W, a3);
-      vstore(s1 + c, b0);
-      vstore(s1 + c + W, b1);
-      vstore(s1 + c + 2 * W, b2);
-      vstore(s1 + c + 3 * W, b3);
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        for (int b = 0; b < 4; ++b) vstore(s[i] + c + b * W, a[i][b]);
+      }
     }
   }
 
-  // acc0 += sum_j p0[j] V[j] and acc1 += sum_j p1[j] V[j], sharing the loads of V.
-  void accumulate2(const float* p0, const float* p1, int64_t n, const float* const* vrows, float* acc0,
-                   float* acc1) const {
+  // As scores_tiled, from bf16 pairs: q[i] holds D / 2 pairs of the row's (unscaled) query, Kp the chunk's
+  // K as [D / 2, kChunk] pairs. Products of bf16 values are exact in float32; only the sums round.
+  void scores_pairs(const uint32_t* const* q, const uint32_t* Kp, int64_t n, float* const* s) const {
+#if defined(__AVX512BF16__)
+    const vf vs = vset1(scale);
+    for (int64_t c = 0; c < n; c += 4 * W) {
+      vf a[kTileRows][4];
+      for (auto& row : a) {
+        for (vf& x : row) x = vzero();
+      }
+      const uint32_t* col = Kp + c;
+      for (int64_t dp = 0; dp < head_dim / 2; ++dp, col += kChunk) {
+        __m512bh k[4];
+        for (int b = 0; b < 4; ++b) k[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(col + b * W));
+        for (int64_t i = 0; i < kTileRows; ++i) {
+          const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(q[i][dp])));
+          for (int b = 0; b < 4; ++b) a[i][b] = _mm512_dpbf16_ps(a[i][b], x, k[b]);
+        }
+      }
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        for (int b = 0; b < 4; ++b) vstore(s[i] + c + b * W, vmul(a[i][b], vs));
+      }
+    }
+#else
+    (void)q, (void)Kp, (void)n, (void)s;
+    TORCH_CHECK(false, "paged_attention: bf16 pair scores need an AVX512-BF16 build");
+#endif
+  }
+
+  // acc[i] += sum_j p[i][j] V[j] for kTileRows rows, sharing the loads of V.
+  void accumulate_rows(float* const* p, int64_t n, const float* const* vrows, float* const* acc) const {
     const int64_t D = head_dim;
     int64_t d = 0;
     for (; d + 4 * W <= D; d += 4 * W) {
-      vf a0 = vload(acc0 + d), a1 = vload(acc0 + d + W), a2 = vload(acc0 + d + 2 * W), a3 = vload(acc0 + d + 3 * W);
-      vf b0 = vload(acc1 + d), b1 = vload(acc1 + d + W), b2 = vload(acc1 + d + 2 * W), b3 = vload(acc1 + d + 3 * W);
-      for (int64_t j = 0; j < n; ++j) {
-        const vf x = vset1(p0[j]), y = vset1(p1[j]);
-        const float* v = vrows[j] + d;
-        const vf v0 = vload(v), v1 = vload(v + W), v2 = vload(v + 2 * W), v3 = vload(v + 3 * W);
-        a0 = vfma(x, v0, a0);
-        a1 = vfma(x, v1, a1);
-        a2 = vfma(x, v2, a2);
-        a3 = vfma(x, v3, a3);
-        b0 = vfma(y, v0, b0);
-        b1 = vfma(y, v1, b1);
-        b2 = vfma(y, v2, b2);
-        b3 = vfma(y, v3, b3);
+      vf a[kTileRows][4];
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        for (int b = 0; b < 4; ++b) a[i][b] = vload(acc[i] + d + b * W);
       }
-      vstore(acc0 + d, a0);
-      vstore(acc0 + d + W, a1);
-      vstore(acc0 + d + 2 * W, a2);
-      vstore(acc0 + d + 3 * W, a3);
-      vstore(acc1 + d, b0);
-      vstore(acc1 + d + W, b1);
-      vstore(acc1 + d + 2 * W, b2);
-      vstore(acc1 + d + 3 * W, b3);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* v = vrows[j] + d;
+        const vf vv[4] = {vload(v), vload(v + W), vload(v + 2 * W), vload(v + 3 * W)};
+        for (int64_t i = 0; i < kTileRows; ++i) {
+          const vf x = vset1(p[i][j]);
+          for (int b = 0; b < 4; ++b) a[i][b] = vfma(x, vv[b], a[i][b]);
+        }
+      }
+      for (int64_t i = 0; i < kTileRows; ++i) {
+        for (int b = 0; b < 4; ++b) vstore(acc[i] + d + b * W, a[i][b]);
+      }
     }
     if (d < D) {  // head sizes off the 4-vector grid: the rest one row at a time
-      accumulate_from(p0, n, vrows, acc0, d);
-      accumulate_from(p1, n, vrows, acc1, d);
+      for (int64_t i = 0; i < kTileRows; ++i) accumulate_from(p[i], n, vrows, acc[i], d);
     }
   }
 
@@ -689,8 +745,10 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
     static thread_local Scratch sc;
     const int64_t rows = kQueryTile * a.group;
     sc.q.resize(rows * a.head_dim);
-    sc.acc.resize(rows * a.head_dim);
-    sc.s.resize(rows * kChunk);
+    sc.acc.resize((rows + kTileRows) * a.head_dim);  // + the spare rows of a tile's short last group
+    sc.s.resize((rows + kTileRows) * kChunk);
+    sc.qp.resize(rows * a.head_dim / 2);
+    sc.kp.resize(kMaxPairs * kChunk);
     sc.m.resize(rows);
     sc.l.resize(rows);
     sc.krow.resize(kChunk);
