@@ -11,8 +11,11 @@ Each server runs at its best settings for this CPU, both in the same dtype:
     ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``, else float32) and passes that to vLLM.
 
 The same ``chatsvc bench --mode openai`` load (same prompts, seeds, a warm-up first) runs against each server in
-turn, on loopback. Workloads (each with its own prompt seed, so one workload's prompts are not in the prefix
-cache from the one before):
+turn, on loopback. Both servers stay up together and the workloads run in ``--rounds`` alternated rounds (ours
+then vLLM, then vLLM then ours, ...): a shared 2-vCPU VM swings 2-3x between minutes (measured: the same GEMM
+at 0.8 or 2.5 TFLOP/s on two threads), so each ratio is taken between runs a minute apart and the record's
+ratio is the median over rounds, every round kept. Workloads (each with its own prompt seed, and a new one
+each round, so no prompt is in the prefix cache from a run before):
   32) 32 concurrent chats x 1 turn, 128 prompt tokens / 128 output tokens (ignore_eos)
   64) 64 concurrent chats x 1 turn, 128 / 128 (ignore_eos)
   b)  64 concurrent multi-turn sessions from ShareGPT (3 turns, 128 out, history resent each turn)
@@ -20,7 +23,8 @@ cache from the one before):
       and off
 Per workload: output tok/s, TTFT mean and p50, TPOT p50, ITL p50 for both servers, and ours / vLLM.
 
-Served vs offline: after our server's run, the prompts of workload 32 go through our engine offline
+Served vs offline: each round, after both servers' runs, that round's prompts of workload 32 go through our
+engine offline
 (``engine.llm.LLM.generate`` in a subprocess: same token ids, max_tokens, ignore_eos, dtype, limits);
 ``served_over_offline`` = ours served tok/s / offline tok/s, what the gateway, the HTTP streaming and the
 engine process boundary cost at that load.
@@ -28,19 +32,21 @@ engine process boundary cost at that load.
 Record: every run writes ``benchmarks/results/serving_vs_vllm_<UTC stamp>/`` with ``summary.md`` and
 ``record.json`` naming the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, amx_bf16, amx_tile), cores,
 torch and vLLM versions, our commit (``-dirty`` if tracked files differ), the settings, and the load averages
-before and after each side's run (a loud warning when the 1-min load before a run is > 0.5: numbers taken
-on a busy machine are not comparable). Before each side's run the script waits up to ``--settle-s`` (150 s)
-for the 1-min load to fall to 0.5, so the load the previous side left behind is not taken for other work.
+before and after each run (a loud warning when the 1-min load before the servers start is > 0.5: numbers
+taken on a busy machine are not comparable; within the rounds the load is the runs' own). Before the servers
+start, and before each extra variant's server, the script waits up to ``--settle-s`` (150 s) for the 1-min
+load to fall to 0.5.
 
 Usage: python benchmarks/serving_vs_vllm.py [--workloads 32,64,b,c] [--dtype auto|bfloat16|float32]
            [--prepare-only] [--skip-ours] [--skip-vllm] [--skip-offline] [--compare-thread]
-           [--compare-env VAR=VALUE[,...]] [--compare-flags='--FLAG ...'] [--quick] [--out benchmarks/results]
+           [--compare-env VAR=VALUE[,...]] [--compare-flags='--FLAG ...'] [--rounds 3] [--quick]
+           [--out benchmarks/results]
 It installs what is missing outside the project's environment (vLLM in ~/.cache/chatsvc/vllm-venv, the model
 converted to an HF directory in ~/.cache/chatsvc/smollm2-135m-instruct-hf). ``--quick`` shrinks every workload
 to 4 chats x 16 tokens: it checks the plumbing and measures nothing. Last line: one JSON object
-{"workload_32": {"ours_tok_s", "vllm_tok_s", "ratio", "ours_ttft_p50", "vllm_ttft_p50", "ours_tpot_p50",
-"vllm_tpot_p50"}, "workload_64": {...}, "served_over_offline", "cpu", "isa", "cores", "commit", ...}
-(latencies in ms).
+{"workload_32": {"ours_tok_s", "vllm_tok_s", "ratio", "ratio_rounds", "ours_ttft_p50", "vllm_ttft_p50",
+"ours_tpot_p50", "vllm_tpot_p50", ...}, "workload_64": {...}, "served_over_offline", "rounds", "cpu", "isa",
+"cores", "commit", ...} (latencies in ms; each field the median over rounds).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -297,6 +304,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
                    "--max-prompt-chars", "400", "--ignore-eos"]},
 }
 WARMUP_ARGS = ["--sessions", "4", "--turns", "1", "--max-tokens", "16"]
+PAUSE_S = 5.0  # between runs: the previous run's client and stream teardown finish first
 
 
 def shrink(args: list[str]) -> list[str]:
@@ -325,6 +333,11 @@ def bench(url: str, name: str, args: list[str], json_path: Path | None, seed: in
     if json_path is None or not json_path.exists():
         return {}
     return dict(json.loads(json_path.read_text()))
+
+
+def round_seed(seed: int, key: str, round_index: int) -> int:
+    """A workload's prompt seed in a round: new prompts each round, so none is in either prefix cache."""
+    return seed + int(WORKLOADS[key]["seed"]) + 100 * round_index
 
 
 def run_workloads(url: str, name: str, keys: list[str], out: Path, seed: int, quick: bool) -> dict[str, Any]:
@@ -383,18 +396,20 @@ def offline_worker(bench_args: list[str], seed: int, seed_warmup: int, dtype: st
             "seconds": seconds, "output_tok_s": tokens / seconds, "dtype": dtype}
 
 
-def run_offline(key: str, seed: int, dtype: str, kv_gib: int, quick: bool, out: Path) -> dict[str, Any]:
+def run_offline(key: str, seed: int, dtype: str, kv_gib: int, quick: bool, out: Path,
+                round_index: int = 0) -> dict[str, Any]:
     cmd = [str(PROJECT_PY), str(Path(__file__).resolve()), "--offline-worker",
-           json.dumps(workload_args(key, quick)), "--seed", str(seed + WORKLOADS[key]["seed"]), "--dtype", dtype,
-           "--kv-gib", str(kv_gib), "--warmup-seed", str(seed + 1000)]
-    log(f"offline: our engine alone on workload {key}'s prompts")
+           json.dumps(workload_args(key, quick)), "--seed", str(round_seed(seed, key, round_index)),
+           "--dtype", dtype, "--kv-gib", str(kv_gib), "--warmup-seed", str(seed + 1000)]
+    log(f"offline: our engine alone on workload {key}'s prompts (round {round_index + 1})")
     proc = subprocess.run(cmd, cwd=ROOT, env=project_env(), capture_output=True, text=True)
-    (out / f"ours_offline_{key}.log").write_text(proc.stdout + proc.stderr)
+    stem = f"ours_offline_{key}_r{round_index + 1}"
+    (out / f"{stem}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        log(f"offline run failed ({proc.returncode}); see {out / f'ours_offline_{key}.log'}")
+        log(f"offline run failed ({proc.returncode}); see {out / f'{stem}.log'}")
         return {}
     result = dict(json.loads(proc.stdout.strip().splitlines()[-1]))
-    (out / f"ours_offline_{key}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
@@ -412,6 +427,11 @@ def pick(results: dict[str, dict[str, Any]], name: str, key: str, field: str,
         return None
     v = r.get(field) if stat is None else (r.get(field) or {}).get(stat)
     return None if v is None else float(v)
+
+
+def median(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return None if not known else round(statistics.median(known), 3)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -486,6 +506,8 @@ def main() -> int:
     ap.add_argument("--compare-flags", action="append", default=[], metavar="'--FLAG [--FLAG VALUE...]'",
                     help="also run ours on workload 32 with these extra `chatsvc serve` flags, given with = (e.g. "
                          "--compare-flags=--no-adaptive-threads); repeatable, one extra row each")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="alternated rounds of every workload on both servers (default 3, 1 with --quick)")
     ap.add_argument("--quick", action="store_true", help="shrunk workloads: checks the plumbing, measures nothing")
     ap.add_argument("--settle-s", type=float, default=None,
                     help="before each side's run, wait up to this long for the 1-min load average to fall to "
@@ -499,6 +521,8 @@ def main() -> int:
         return 0
     if a.settle_s is None:
         a.settle_s = 0.0 if a.quick else 150.0
+    if a.rounds is None:
+        a.rounds = 1 if a.quick else 3
     keys = [k for k in a.workloads.split(",") if k]
     unknown = set(keys) - set(WORKLOADS)
     if unknown:
@@ -527,19 +551,20 @@ def main() -> int:
     log(f"dtype {dtype} (requested {a.dtype}; ours gets {dtype_flags or 'no dtype flag'}), KV cache {kv_gib} GiB "
         f"each, vLLM LD_PRELOAD {':'.join(preload) or '(nothing found)'}")
 
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, dict[str, Any]] = {}  # the extra variants: one run each, after the rounds
+    rounds: list[dict[str, dict[str, Any]]] = []
+    offline_rounds: list[dict[str, Any]] = []
     loads: dict[str, Any] = {}
-    offline: dict[str, Any] = {}
     Start = Callable[[int, Path], contextlib.AbstractContextManager[None]]
-    plan: list[tuple[str, Start, list[str]]] = []
+    pair: dict[str, Start] = {}
+    extras: list[tuple[str, Start, list[str]]] = []
     if not a.skip_ours:
-        plan.append(("ours", lambda port, log_path: server(
-            ours_command(port, dtype_flags, kv_gib), project_env(), f"http://127.0.0.1:{port}/ready", log_path,
-            600), keys))
+        pair["ours"] = lambda port, log_path: server(
+            ours_command(port, dtype_flags, kv_gib), project_env(), f"http://127.0.0.1:{port}/ready", log_path, 600)
         if a.compare_thread and "32" in keys:
             # The same server with the engine loop on a thread of the gateway's process (the layout
             # before the engine process): what moving it out buys, on the same load.
-            plan.append(("ours_thread", lambda port, log_path: server(
+            extras.append(("ours_thread", lambda port, log_path: server(
                 ours_command(port, dtype_flags, kv_gib, extra=("--engine", "thread")), project_env(),
                 f"http://127.0.0.1:{port}/ready", log_path, 600), ["32"]))
         if "32" in keys:
@@ -551,54 +576,91 @@ def main() -> int:
                     return server(ours_command(port, dtype_flags, kv_gib), project_env(**env_vars),
                                   f"http://127.0.0.1:{port}/ready", log_path, 600)
 
-                plan.append((f"ours_env{i}", start_with_env, ["32"]))
+                extras.append((f"ours_env{i}", start_with_env, ["32"]))
             for i, spec in enumerate(a.compare_flags, 1):
                 def start_with_flags(port: int, log_path: Path, flags: tuple[str, ...] = tuple(spec.split())
                                      ) -> contextlib.AbstractContextManager[None]:
                     return server(ours_command(port, dtype_flags, kv_gib, extra=flags), project_env(),
                                   f"http://127.0.0.1:{port}/ready", log_path, 600)
 
-                plan.append((f"ours_flags{i}", start_with_flags, ["32"]))
+                extras.append((f"ours_flags{i}", start_with_flags, ["32"]))
         if "c" in keys:
-            plan.append(("ours_noprefix", lambda port, log_path: server(
+            extras.append(("ours_noprefix", lambda port, log_path: server(
                 ours_command(port, dtype_flags, kv_gib, prefix_caching=False), project_env(),
                 f"http://127.0.0.1:{port}/ready", log_path, 600), ["c"]))
     if not a.skip_vllm:
-        plan.append(("vllm", lambda port, log_path: server(
+        pair["vllm"] = lambda port, log_path: server(
             vllm_command(vllm_py, port, dtype), vllm_env(kv_gib, preload), f"http://127.0.0.1:{port}/v1/models",
-            log_path, 900), keys))
+            log_path, 900)
+
     def settle() -> None:
         waited = machine.settle(a.settle_s)
         if waited >= 1:
             log(f"waited {waited:.0f} s for the 1-min load average to fall to {machine.BUSY_LOAD}")
 
-    for name, start, todo in plan:
+    # Both servers up at once (an idle one waits on its socket), then the rounds, alternating who goes first.
+    settle()
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        with machine.load_window("servers", loads):
+            for name, start in pair.items():
+                port = free_port()
+                try:
+                    stack.enter_context(start(port, out / f"{name}_server.log"))
+                except (RuntimeError, TimeoutError, OSError) as exc:  # one server failing should not lose the other
+                    log(f"{name}: {exc}")
+                    continue
+                urls[name] = f"http://127.0.0.1:{port}"
+                bench(urls[name], name, WARMUP_ARGS, None, a.seed + 1000)
+        for i in range(a.rounds):
+            order = list(urls) if i % 2 == 0 else list(urls)[::-1]
+            log(f"round {i + 1} of {a.rounds}: {' then '.join(order)}")
+            per: dict[str, dict[str, Any]] = {name: {} for name in urls}
+            for key in keys:
+                for name in order:
+                    time.sleep(PAUSE_S)
+                    before = machine.load_avg()
+                    r = bench(urls[name], name, workload_args(key, a.quick), out / f"{name}_{key}_r{i + 1}.json",
+                              round_seed(a.seed, key, i))
+                    if r:
+                        r["load_before"], r["load_after"] = list(before), list(machine.load_avg())
+                    per[name][key] = r
+            if "ours" in urls and "32" in keys and not a.skip_offline:
+                offline_rounds.append(run_offline("32", a.seed, dtype, kv_gib, a.quick, out, i))
+            rounds.append(per)
+
+    for name, start, todo in extras:
         port = free_port()
         settle()
         with machine.load_window(name, loads):
             try:
                 with start(port, out / f"{name}_server.log"):
                     results[name] = run_workloads(f"http://127.0.0.1:{port}", name, todo, out, a.seed, a.quick)
-            except (RuntimeError, TimeoutError, OSError) as exc:  # one server failing should not lose the others
+            except (RuntimeError, TimeoutError, OSError) as exc:
                 log(f"{name}: {exc}")
-        if name == "ours" and "32" in keys and not a.skip_offline:
-            settle()
-            with machine.load_window("ours_offline", loads):
-                offline = run_offline("32", a.seed, dtype, kv_gib, a.quick, out)
 
-    served = pick(results, "ours", "32", "output_tok_s")
-    served_over_offline = ratio(served, offline.get("output_tok_s"))
+    per_round = [{k: workload_summary(rr, k) for k in keys} for rr in rounds]
+    served_rounds = [pick(rr, "ours", "32", "output_tok_s") for rr in rounds]
+    offline_tok_s = [o.get("output_tok_s") for o in offline_rounds]
+    so_rounds = [ratio(sv, of) for sv, of in zip(served_rounds, offline_tok_s, strict=False)]
+    served = median(served_rounds)
+    served_over_offline = median(so_rounds)
     busy = sorted(k for k, w in loads.items() if w["busy"])
-    final: dict[str, Any] = {f"workload_{k}": workload_summary(results, k) for k in keys}
+    final: dict[str, Any] = {}
+    for k in keys:
+        fields = per_round[0][k] if per_round else workload_summary({}, k)
+        final[f"workload_{k}"] = {f: median([pr[k][f] for pr in per_round]) for f in fields}
+        final[f"workload_{k}"]["ratio_rounds"] = [pr[k]["ratio"] for pr in per_round]
     final.update({
-        "served_over_offline": served_over_offline,
-        "offline_tok_s": None if not offline else round(offline["output_tok_s"], 1),
+        "served_over_offline": served_over_offline, "served_over_offline_rounds": so_rounds,
+        "offline_tok_s": None if median(offline_tok_s) is None else round(float(median(offline_tok_s) or 0), 1),
+        "rounds": len(rounds),
         "cpu": host.cpu, "isa": host.isa, "cores": host.cores, "commit": host.commit, "dtype": dtype,
         "torch": host.torch, "vllm": host.extra.get("vllm"), "busy_before": busy, "quick": a.quick,
     })
     if "c" in keys:
-        on, off = pick(results, "ours", "c", "output_tok_s"), pick(results, "ours_noprefix", "c", "output_tok_s")
-        final["persona_prefix_ratio"] = ratio(on, off)
+        on = median([pick(rr, "ours", "c", "output_tok_s") for rr in rounds])
+        final["persona_prefix_ratio"] = ratio(on, pick(results, "ours_noprefix", "c", "output_tok_s"))
     if "ours_thread" in results:
         final["engine_process_over_thread"] = ratio(served, pick(results, "ours_thread", "32", "output_tok_s"))
     for field_name, prefix, specs in (("env_variants", "ours_env", a.compare_env),
@@ -617,19 +679,34 @@ def main() -> int:
           f"{kv_gib} GiB KV cache; ours: `chatsvc serve` {' '.join(dtype_flags) or 'with its default dtype and engine'}; "
           f"vLLM: VLLM_CPU_NUM_OF_RESERVED_CPU=0, LD_PRELOAD={':'.join(preload) or '(none)'}"
           + (f" (MISSING: {'; '.join(preload_missing)})" if preload_missing else ""),
-          "- load average (1/5/15 min) before -> after each side's run: "
+          "- load average (1/5/15 min) before -> after the servers' start and each extra variant: "
           + "; ".join(f"{k} {w['before']} -> {w['after']}{' BUSY' if w['busy'] else ''}" for k, w in loads.items()),
-          f"- served / offline (workload 32): {fmt(served)} / {fmt(offline.get('output_tok_s'))} tok/s = "
-          f"{fmt(served_over_offline, 3)}",
-          ""]
+          f"- {len(rounds)} alternated rounds, both servers up throughout; each ratio below is the median over "
+          "rounds (every round's table follows)",
+          "- served / offline (workload 32), per round: "
+          + ", ".join(f"{fmt(sv)} / {fmt(of)} = {fmt(r, 3)}" for sv, of, r in zip(served_rounds, offline_tok_s, so_rounds,
+                                                                                  strict=False))
+          + f"; median {fmt(served_over_offline, 3)}",
+          "", "| workload | ours / vLLM tok/s, median (rounds) | TTFT p50 ours / vLLM ms | TPOT p50 ours / vLLM ms |",
+          "|---|---:|---:|---:|"]
+    for k in keys:
+        w = final[f"workload_{k}"]
+        md.append(f"| {k}: {WORKLOADS[k]['title']} | **{fmt(w['ratio'], 2)}x** "
+                  f"({', '.join(fmt(x, 2) for x in w['ratio_rounds'])}) | {fmt(w['ours_ttft_p50'], 0)} / "
+                  f"{fmt(w['vllm_ttft_p50'], 0)} | {fmt(w['ours_tpot_p50'])} / {fmt(w['vllm_tpot_p50'])} |")
+    md.append("")
     if busy:
         md.insert(2, f"**WARNING: the machine was busy (1-min load > {machine.BUSY_LOAD}) before: {', '.join(busy)}. "
                      "These numbers are not comparable.**\n")
-    md += table(results, keys) + ["", "```json", json.dumps(final), "```", ""]
+    for i, rr in enumerate(rounds):
+        md += [f"## Round {i + 1}", ""] + table(rr, keys) + [""]
+    if results:
+        md += ["## Extra variants (one run each, after the rounds)", ""] + table(results, keys) + [""]
+    md += ["```json", json.dumps(final), "```", ""]
     (out / "summary.md").write_text("\n".join(md))
     record = {"date": stamp, "machine": host.as_dict(), "settings": settings, "loads": loads,
-              "command": " ".join(sys.argv), "workloads": {k: WORKLOADS[k] for k in keys}, "offline_32": offline,
-              "results": results, "final": final}
+              "command": " ".join(sys.argv), "workloads": {k: WORKLOADS[k] for k in keys},
+              "offline_32": offline_rounds, "rounds": rounds, "extras": results, "final": final}
     (out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "final.json").write_text(json.dumps(final) + "\n")
     print("\n".join(md[:-5]))
