@@ -229,7 +229,7 @@ class LLMEngine:
         self._execute_block_plans(out)
         out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=())
         now = time.perf_counter()
-        threads = self._set_threads(out.num_batched_tokens, now)
+        threads = self._set_threads(out, now)
         started: float | None = now
         try:
             logits, samplers = self._forward(out)
@@ -252,11 +252,12 @@ class LLMEngine:
         deltas.extend(self._postprocess(rows, result))
         return deltas
 
-    def _set_threads(self, tokens: int, now: float) -> int:
+    def _set_threads(self, out: SchedulerOutput, now: float) -> int:
         """The thread count this step runs on: the governor's choice, or whatever torch has."""
         if self.threads is None:
             return torch.get_num_threads()
-        threads = self.threads.choose(tokens, now)
+        prefill = any(s.num_new_tokens > 1 for s in out.scheduled)
+        threads = self.threads.choose(out.num_batched_tokens, now, prefill=prefill)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         return threads

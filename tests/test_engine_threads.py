@@ -68,6 +68,21 @@ def test_prefill_sized_steps_always_run_on_all_threads() -> None:
     assert all("2048" not in key for key in gov.stats())
 
 
+def test_steps_carrying_a_prompt_run_the_faster_count_and_never_retry() -> None:
+    # A retry there delays the prompts' first tokens and every decode's next one: only decode-only steps
+    # of the size retry the slower count.
+    gov = ThreadGovernor(2, retry_s=1.0)
+    quiet = {2: 0.15, 1: 0.30}
+    assert [run(gov, 300, 0.5 * i, quiet) for i in range(2)] == [2, 1]  # new size: both counts measured
+    for i in range(6):  # the one-thread figure is long stale, yet prompt-carrying steps stay on 2 threads
+        n = gov.choose(300, 10.0 + i, prefill=True)
+        gov.observe(n, 300, quiet[n], 10.0 + i + quiet[n])
+        assert n == 2
+    assert gov.choose(300, 20.0) == 1  # a decode-only step of the size is the retry
+    # With no figure for a size yet, a prompt-carrying step runs on all threads.
+    assert gov.choose(40, 30.0, prefill=True) == 2
+
+
 def test_a_winning_retry_resets_the_interval() -> None:
     gov = ThreadGovernor(2, retry_s=1.0, max_retry_s=8.0)
     t = 0.0
