@@ -20,7 +20,7 @@ from torch import Tensor
 from engine.config import CacheConfig
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata
-from engine.model.linear import gemm_rows
+from engine.model.linear import gemm_rows, probe_slow_rows
 from engine.model.llama import LlamaForCausalLM
 from engine.plan import ScheduledSeq, SchedulerOutput, StepSeq
 from kernels import AttentionBackend
@@ -132,6 +132,10 @@ class ModelRunner:
         self.block_tables = BlockTables()
         # Packed (oneDNN) linears pay for every new row count; F.linear and GPU GEMMs do not.
         self.pad_rows = model.lm_head_packed is not None
+        # Row counts this CPU's packed GEMMs run slower than a few rows more, padded in every step (decode
+        # included) and at the LM head. Not under tensor parallelism: every rank must pad alike.
+        probe = self.pad_rows and model.tp is None and device.type == "cpu"
+        self.slow_rows = probe_slow_rows(model.run_linears) if probe else None
 
     # -- block plans ----------------------------------------------------------------------------
     def _mapping(self, pairs: tuple[tuple[int, int], ...]) -> Tensor:
@@ -182,9 +186,15 @@ class ModelRunner:
         slots = tables[seq_of_token, pos // bs].long() * bs + pos % bs
         dev = self.device
         num_tokens = len(input_ids)
-        # Only steps with a prompt chunk are padded: decode-only row counts are few already (one per batch
-        # size). Attention runs on the real rows alone (AttentionMetadata.num_tokens).
-        rows_run = gemm_rows(num_tokens) if self.pad_rows and prefills else num_tokens
+        # Steps with a prompt chunk are padded to the row buckets; decode-only steps only out of the slow
+        # band (their row counts are few already). Attention runs on the real rows alone
+        # (AttentionMetadata.num_tokens).
+        if self.pad_rows and prefills:
+            rows_run = gemm_rows(num_tokens, self.slow_rows)
+        elif self.slow_rows is not None and num_tokens in self.slow_rows:
+            rows_run = self.slow_rows.stop
+        else:
+            rows_run = num_tokens
         if rows_run > num_tokens:  # padding: token 0 at position 0
             input_ids.extend([0] * (rows_run - num_tokens))
             pos = torch.cat((pos, pos.new_zeros(rows_run - num_tokens)))
@@ -220,5 +230,9 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata)
         if not inp.samplers:
             return None, ()
-        logits = self.model.compute_logits(hidden[inp.sample_rows])
+        last = hidden[inp.sample_rows]
+        n = last.shape[0]
+        if self.slow_rows is not None and n in self.slow_rows:  # the LM head out of the slow band too
+            last = torch.cat((last, last.new_zeros(self.slow_rows.stop - n, last.shape[1])))
+        logits = self.model.compute_logits(last)[:n]
         return logits, inp.samplers

@@ -11,6 +11,9 @@ dtype natively (bf16 without AVX512-BF16 falls to a reference path several times
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -52,7 +55,38 @@ def resolve_linear_backend(name: str, dtype: torch.dtype, device: torch.device |
     return name
 
 
-def gemm_rows(tokens: int) -> int:
+# The row counts oneDNN's packed GEMMs may run slower than a few rows more: on the 2-core Xeon VM (AMX,
+# bf16, two threads) the model's packed linears took 42-47 ms a pass at 17-32 rows against 28-31 ms at 16
+# and 27-30 ms at 33-40 (medians of six alternated reps each); bandwidth-bound passes are otherwise flat in
+# the row count there (and when the VM ran fast, 24-25 ms at 32 rows against 20-22 at 33). Whether a CPU has
+# this band is measured at load (``probe_slow_rows``), not assumed; a wrong guess either way costs little
+# (one padded row, or the band's slower GEMM as before).
+SLOW_ROWS = range(17, 33)
+
+
+def probe_slow_rows(run: Callable[[int], object], reps: int = 5, gain: float = 0.95,
+                    clock: Callable[[], float] = time.perf_counter) -> range | None:
+    """``SLOW_ROWS`` if running the model's linears (``run(rows)``) at its last count is slower than at one
+    row more by a clear margin (padding there wins at least 1 - ``gain``), else None. Medians of alternated
+    reps, after one untimed pass of each (oneDNN builds a primitive per new row count); not minima, since on a
+    shared VM a slow count has fast outliers too."""
+    last, padded = SLOW_ROWS.stop - 1, SLOW_ROWS.stop
+    times: dict[int, list[float]] = {last: [], padded: []}
+    for rows in times:
+        run(rows)
+    for _ in range(reps):
+        for rows, seen in times.items():
+            start = clock()
+            run(rows)
+            seen.append(clock() - start)
+    at_last, at_padded = statistics.median(times[last]), statistics.median(times[padded])
+    slow = at_padded < gain * at_last
+    log.info("packed linears at %d rows %.1f ms, at %d rows %.1f ms: %s", last, at_last * 1e3, padded,
+             at_padded * 1e3, f"rows {SLOW_ROWS.start}-{last} run as {padded}" if slow else "no padding")
+    return SLOW_ROWS if slow else None
+
+
+def gemm_rows(tokens: int, slow: range | None = None) -> int:
     """The row count a step of ``tokens`` tokens is padded to when its linears are packed for oneDNN.
 
     oneDNN builds (and caches) a GEMM primitive per input shape, which costs a single-threaded 2-6 ms per
@@ -60,8 +94,11 @@ def gemm_rows(tokens: int) -> int:
     2-core VM, 10-30% of a step that mixes decodes with a short prompt. Prompts make nearly every such
     step a new row count, so rows are rounded up to a few shapes instead: 64 and below stay exact (decode
     batches, at most max_num_seqs of them), above that a multiple of 1/16 to 1/32 of the count, so the
-    padding costs a few percent of a step while ~16 shapes cover each doubling.
+    padding costs a few percent of a step while ~16 shapes cover each doubling. Counts in ``slow`` (a band
+    ``probe_slow_rows`` found slower than ``slow.stop`` rows) run as ``slow.stop``.
     """
+    if slow is not None and tokens in slow:
+        return slow.stop
     if tokens <= 64:
         return tokens
     granule = max(16, 1 << (tokens.bit_length() - 5))
@@ -114,5 +151,5 @@ class Linear(nn.Module):
         return self.matmul(x, self.bias)
 
 
-__all__ = ["LINEAR_BACKENDS", "Linear", "LinearBackend", "gemm_rows", "onednn_supports", "pack_weight", "packed_linear",
+__all__ = ["LINEAR_BACKENDS", "SLOW_ROWS", "Linear", "LinearBackend", "gemm_rows", "probe_slow_rows", "onednn_supports", "pack_weight", "packed_linear",
            "resolve_linear_backend"]

@@ -199,6 +199,14 @@ class LlamaForCausalLM(nn.Module):
                 module.pack()
         self.lm_head_packed = pack_weight(self._lm_head_weight())
 
+    def run_linears(self, rows: int) -> None:
+        """Every projection and the LM head once on ``rows`` zero rows (timing probes; no other work)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul(torch.zeros(rows, module.weight.shape[1], dtype=self.dtype), None)
+        if self.lm_head_packed is not None:
+            packed_linear(torch.zeros(rows, self.config.hidden_size, dtype=self.dtype), self.lm_head_packed, None)
+
     def quantize_linears(self, kernel: str, head: bool = False) -> None:
         """Run every projection in int8 with ``kernel`` (see engine.model.quant); the LM head too with
         ``head``. Call after load_weights (and after pack_linears, whose projection packs this drops).
