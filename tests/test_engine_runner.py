@@ -4,6 +4,7 @@ buckets."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,52 @@ def test_a_freed_row_is_reused() -> None:
     assert tables.table.shape == (2, 4)
 
 
+@dataclass
+class _Traced:
+    engine: LLMEngine
+    rows: list[tuple[int, int]] = field(default_factory=list)  # per step: (rows run, real rows)
+    heads: list[int] = field(default_factory=list)  # rows per LM head call
+
+
+def _traced_engine(model_dir: str, attention_backend: str, pad_rows: bool, slow_rows: range | None) -> _Traced:
+    """An engine on the tiny model (packed linears) whose runner records the rows of each step and LM head call."""
+    engine = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=64,
+                                 attention_backend=attention_backend)
+    engine.runner.pad_rows, engine.runner.slow_rows = pad_rows, slow_rows
+    traced = _Traced(engine)
+    prepare, logits_of = engine.runner.prepare, engine.runner.model.compute_logits
+
+    def observed(scheduled: Any) -> Any:
+        inp = prepare(scheduled)
+        traced.rows.append((int(inp.input_ids.shape[0]), int(inp.attn_metadata.query_start_loc[-1])))
+        return inp
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        traced.heads.append(int(hidden.shape[0]))
+        out: torch.Tensor = logits_of(hidden)
+        return out
+
+    engine.runner.prepare = observed  # type: ignore[method-assign]
+    engine.runner.model.compute_logits = head  # type: ignore[method-assign]
+    return traced
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+              late: list[int] | None = None) -> dict[str, list[int]]:
+    """Greedy tokens per request; ``late`` joins after the first step."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), params, prompt_token_ids=ids)
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished():
+        if steps == 1 and late is not None:
+            engine.add_request("late", params, prompt_token_ids=late)
+        for delta in engine.step():
+            tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+        steps += 1
+    return tokens
+
+
 @pytest.mark.parametrize("attention_backend", ["auto", "torch"])
 def test_padded_rows_change_no_token_and_no_kv(tmp_path: Path, attention_backend: str) -> None:
     """A step padded to a GEMM row bucket stores and samples exactly what the unpadded step does, with the
@@ -59,36 +106,12 @@ def test_padded_rows_change_no_token_and_no_kv(tmp_path: Path, attention_backend
     first = [[10 + 90 * k + i for i in range(n)] for k, n in enumerate((30, 25))]  # 55 tokens: exact
     late = [200 + i for i in range(70)]  # with the two decodes: 72 rows, padded to 80
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    runs = []
-    for pad in (True, False):
-        engine = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=64,
-                                     attention_backend=attention_backend)
-        engine.runner.pad_rows = pad
-        rows: list[tuple[int, int]] = []
-        prepare = engine.runner.prepare
-
-        def observed(scheduled: Any, prepare: Any = prepare, rows: list[tuple[int, int]] = rows) -> Any:
-            inp = prepare(scheduled)
-            rows.append((int(inp.input_ids.shape[0]), int(inp.attn_metadata.query_start_loc[-1])))
-            return inp
-
-        engine.runner.prepare = observed  # type: ignore[method-assign]
-        for i, ids in enumerate(first):
-            engine.add_request(str(i), params, prompt_token_ids=ids)
-        tokens: dict[str, list[int]] = {}
-        steps = 0
-        while engine.has_unfinished():
-            if steps == 1:
-                engine.add_request("late", params, prompt_token_ids=late)
-            for delta in engine.step():
-                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-            steps += 1
-        runs.append((tokens, engine.runner.kv_cache.clone(), rows))
-    (padded_tokens, padded_kv, padded_rows), (exact_tokens, exact_kv, exact_rows) = runs
-    assert padded_rows[:2] == [(55, 55), (80, 72)] and exact_rows[:2] == [(55, 55), (72, 72)]
-    assert all(n == real for n, real in padded_rows[2:])  # decode-only steps are never padded
+    padded, exact = (_traced_engine(model_dir, attention_backend, pad, None) for pad in (True, False))
+    padded_tokens, exact_tokens = (_generate(t.engine, first, params, late) for t in (padded, exact))
+    assert padded.rows[:2] == [(55, 55), (80, 72)] and exact.rows[:2] == [(55, 55), (72, 72)]
+    assert all(n == real for n, real in padded.rows[2:])  # decode-only steps are not padded out of the band
     assert padded_tokens == exact_tokens
-    torch.testing.assert_close(padded_kv, exact_kv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded.engine.runner.kv_cache, exact.engine.runner.kv_cache, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attention_backend", ["auto", "torch"])
@@ -98,40 +121,13 @@ def test_slow_band_decodes_are_padded_and_change_no_token_and_no_kv(tmp_path: Pa
     model_dir = str(make_tiny_model_dir(tmp_path))
     prompts = [[10 + 7 * k + i for i in range(3 + k % 4)] for k in range(20)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    runs = []
-    for band in (SLOW_ROWS, None):
-        engine = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=64,
-                                     attention_backend=attention_backend)
-        engine.runner.slow_rows = band
-        rows: list[tuple[int, int]] = []
-        heads: list[int] = []
-        prepare, logits_of = engine.runner.prepare, engine.runner.model.compute_logits
-
-        def observed(scheduled: Any, prepare: Any = prepare, rows: list[tuple[int, int]] = rows) -> Any:
-            inp = prepare(scheduled)
-            rows.append((int(inp.input_ids.shape[0]), int(inp.attn_metadata.query_start_loc[-1])))
-            return inp
-
-        def head(hidden: torch.Tensor, logits_of: Any = logits_of, heads: list[int] = heads) -> torch.Tensor:
-            heads.append(int(hidden.shape[0]))
-            out: torch.Tensor = logits_of(hidden)
-            return out
-
-        engine.runner.prepare = observed  # type: ignore[method-assign]
-        engine.runner.model.compute_logits = head  # type: ignore[method-assign]
-        for i, ids in enumerate(prompts):
-            engine.add_request(str(i), params, prompt_token_ids=ids)
-        tokens: dict[str, list[int]] = {}
-        while engine.has_unfinished():
-            for delta in engine.step():
-                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-        runs.append((tokens, engine.runner.kv_cache.clone(), rows, heads))
-    (padded_tokens, padded_kv, padded_rows, padded_heads), (exact_tokens, exact_kv, exact_rows, exact_heads) = runs
-    assert padded_rows[0] == exact_rows[0] == (96, 90)  # the prompts: a row bucket either way
-    assert padded_rows[1:] == [(33, 20)] * 4 and exact_rows[1:] == [(20, 20)] * 4  # the decodes
-    assert 33 in padded_heads and 20 in exact_heads and not set(padded_heads) & set(SLOW_ROWS)
+    padded, exact = (_traced_engine(model_dir, attention_backend, True, band) for band in (SLOW_ROWS, None))
+    padded_tokens, exact_tokens = (_generate(t.engine, prompts, params) for t in (padded, exact))
+    assert padded.rows[0] == exact.rows[0] == (96, 90)  # the prompts: a row bucket either way
+    assert padded.rows[1:] == [(33, 20)] * 4 and exact.rows[1:] == [(20, 20)] * 4  # the decodes
+    assert 33 in padded.heads and 20 in exact.heads and not set(padded.heads) & set(SLOW_ROWS)
     assert all(len(t) == 5 for t in padded_tokens.values()) and padded_tokens == exact_tokens
-    torch.testing.assert_close(padded_kv, exact_kv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded.engine.runner.kv_cache, exact.engine.runner.kv_cache, atol=1e-5, rtol=1e-5)
 
 
 def test_probe_finds_a_band_only_where_padding_wins() -> None:

@@ -282,22 +282,20 @@ struct Attention {
     const int64_t D = head_dim, n_q = it.q_end - it.q_begin, R = n_q * group;
     const int64_t tok0 = starts[it.seq] + it.q_begin;
     float *Q = sc.q.data(), *acc = sc.acc.data(), *S = sc.s.data(), *M = sc.m.data(), *L = sc.l.data();
+    const bool tiled = R >= kTiledRows;  // how K is read: see the chunk loop
+    // bf16 prefill tiles score on bf16 pairs (the queries kept as they are, the scale applied to the sums:
+    // exact for D = 64); everything else on float32 queries scaled once here.
+    const bool pairs = kPairDot && std::is_same_v<T, c10::BFloat16> && tiled && D % 2 == 0 && D <= 2 * kMaxPairs;
+    uint32_t* QP = sc.qp.data();
     for (int64_t i = 0; i < n_q; ++i) {
       for (int64_t g = 0; g < group; ++g) {
         const T* src = q + (tok0 + i) * q_s0 + (it.kv_head * group + g) * q_s1;
-        float* dst = Q + (i * group + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
-      }
-    }
-    // bf16 prefill tiles score on bf16 pairs; the scale is applied to the sums (exact for D = 64).
-    const bool pairs = kPairDot && std::is_same_v<T, c10::BFloat16> && R >= kTiledRows && D % 2 == 0 &&
-                       D <= 2 * kMaxPairs;
-    uint32_t* QP = sc.qp.data();
-    if (pairs) {
-      for (int64_t i = 0; i < n_q; ++i) {
-        for (int64_t g = 0; g < group; ++g) {
-          const T* src = q + (tok0 + i) * q_s0 + (it.kv_head * group + g) * q_s1;
-          std::memcpy(QP + (i * group + g) * (D / 2), src, D * sizeof(T));
+        const int64_t row = i * group + g;
+        if (pairs) {
+          std::memcpy(QP + row * (D / 2), src, D * sizeof(T));
+        } else {
+          float* dst = Q + row * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * scale;
         }
       }
     }
@@ -314,7 +312,6 @@ struct Attention {
     // broadcast-FMAs over whole vectors of positions, and half-type V rows are widened once. Few rows
     // (decode): dot products straight from the pool beat paying for the copy; up to kSharedRows rows (a
     // decode's GQA group) share every K and V load.
-    const bool tiled = R >= kTiledRows;
     float *Kt = sc.kt.data(), *Vf = sc.vf.data();
     const float** vrow_f = reinterpret_cast<const float**>(sc.vrow_f.data());
 
@@ -605,12 +602,7 @@ struct Attention {
     for (; d < head_dim; ++d) row[d] *= a;
   }
 
-  // acc_row += sum_j p[j] * V[j], the accumulator held in registers four vectors at a time.
-  template <typename U>
-  void accumulate(const float* p, int64_t n, const U* const* vrows, float* acc_row) const {
-    accumulate_from(p, n, vrows, acc_row, 0);
-  }
-
+  // acc_row += sum_j p[j] * V[j] from column d on, the accumulator held in registers four vectors at a time.
   template <typename U>
   void accumulate_from(const float* p, int64_t n, const U* const* vrows, float* acc_row, int64_t d) const {
     const int64_t D = head_dim;
