@@ -132,8 +132,9 @@ class ModelRunner:
         self.block_tables = BlockTables()
         # Packed (oneDNN) linears pay for every new row count; F.linear and GPU GEMMs do not.
         self.pad_rows = model.lm_head_packed is not None
-        # Row counts this CPU's packed GEMMs run slower than a few rows more, padded in every step (decode
-        # included) and at the LM head. Not under tensor parallelism: every rank must pad alike.
+        # Row counts this CPU's packed GEMMs may run slower than a few rows more (engine.model.linear), padded
+        # in every step (decode included) and at the LM head. Not under tensor parallelism: every rank must
+        # pad alike.
         probe = self.pad_rows and model.tp is None and device.type == "cpu"
         self.slow_rows = probe_slow_rows(model.run_linears) if probe else None
 

@@ -140,6 +140,6 @@ def test_probe_finds_a_band_only_where_padding_wins() -> None:
         return probe_slow_rows(run, clock=lambda: now[0])
 
     assert probe(0.040, 0.028) == SLOW_ROWS
-    assert probe(0.025, 0.022) == SLOW_ROWS  # 12% is worth one padded row
-    assert probe(0.025, 0.025) is None
+    assert probe(0.025, 0.0245) == SLOW_ROWS  # no slower: padded, in case the band turns slow later
+    assert probe(0.025, 0.0255) is None  # 33 rows costs more: left alone
     assert probe(0.025, 0.030) is None
