@@ -66,6 +66,8 @@ DECODE_CASES = [
     (16, 3, 64, [1, 16, 17, 300], torch.float32, 0),
     (8, 1, 128, [9, 8, 1, 64], torch.float32, 1),
     (16, 3, 64, [40, 1, 130], torch.bfloat16, 2),
+    (16, 4, 128, [70, 5, 300], torch.bfloat16, 1),  # bf16 pair scores: four rows, scale not a power of 2
+    (8, 1, 80, [20, 3], torch.bfloat16, 0),  # a head size off the pair vectors: float32 scores
     (32, 4, 64, [33, 100, 2], torch.float16, 1),
     (4, 2, 24, [5, 13, 1], torch.float32, 0),
 ]

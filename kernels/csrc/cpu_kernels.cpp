@@ -238,6 +238,8 @@ constexpr int64_t kSharedRows = 4;  // rows below kTiledRows that share each K/V
 // Four rows keep 16 accumulators in AVX-512's 32 registers; AVX2's 16 hold two rows' eight.
 constexpr int64_t kTileRows = W >= 16 ? 4 : 2;
 constexpr int64_t kMaxPairs = 128;  // head sizes up to 256 take the pair path
+// Decode rows score a K row as whole vectors of pairs: head sizes a multiple of kRowPairs, up to kRowVecs of them.
+constexpr int64_t kRowPairs = 32, kRowVecs = 8;
 #if defined(__AVX512BF16__)
 constexpr bool kPairDot = true;  // bf16 K and Q multiplied pairwise by vdpbf16ps (exact products, float32 sums)
 #else
@@ -283,9 +285,10 @@ struct Attention {
     const int64_t tok0 = starts[it.seq] + it.q_begin;
     float *Q = sc.q.data(), *acc = sc.acc.data(), *S = sc.s.data(), *M = sc.m.data(), *L = sc.l.data();
     const bool tiled = R >= kTiledRows;  // how K is read: see the chunk loop
-    // bf16 prefill tiles score on bf16 pairs (the queries kept as they are, the scale applied to the sums:
-    // exact for D = 64); everything else on float32 queries scaled once here.
-    const bool pairs = kPairDot && std::is_same_v<T, c10::BFloat16> && tiled && D % 2 == 0 && D <= 2 * kMaxPairs;
+    // bf16 queries score on bf16 pairs where the CPU multiplies them natively (kept as they are, the scale
+    // applied to the sums: exact for D = 64); everything else on float32 queries scaled once here.
+    const bool pairs = kPairDot && std::is_same_v<T, c10::BFloat16> &&
+                       (tiled ? D % 2 == 0 && D <= 2 * kMaxPairs : D % kRowPairs == 0 && D <= kRowPairs * kRowVecs);
     uint32_t* QP = sc.qp.data();
     for (int64_t i = 0; i < n_q; ++i) {
       for (int64_t g = 0; g < group; ++g) {
@@ -321,7 +324,9 @@ struct Attention {
         const int64_t p = c0 + j, blk = table[p / block_size], off = p % block_size;
         krow[j] = k + blk * kb + off * kt + it.kv_head * kh;
         vrow[j] = v + blk * vb + off * vt + it.kv_head * vh;
-        prefetch(vrow[j], D * static_cast<int64_t>(sizeof(T)));  // read after the scores
+        // All the chunk's rows requested at once: read one after another, each would wait for memory.
+        prefetch(krow[j], D * static_cast<int64_t>(sizeof(T)));
+        prefetch(vrow[j], D * static_cast<int64_t>(sizeof(T)));
       }
       if (tiled) {
         const int64_t cols = std::min(kChunk, (cn + 4 * W - 1) / (4 * W) * (4 * W));
@@ -358,7 +363,7 @@ struct Attention {
           for (int64_t i = 0; i < nr; ++i) n_vis[i] = visible(r + i);
           const int64_t n = n_vis[nr - 1];  // a later row sees at least as much
           if (n <= 0) continue;
-          const Rows rows{Q + r * D, S + r * kChunk, M + r, L + r, acc + r * D, n_vis};
+          const Rows rows{Q + r * D, QP + r * (D / 2), pairs, S + r * kChunk, M + r, L + r, acc + r * D, n_vis};
           switch (nr) {
             case 1: shared_rows<1>(rows, n, krow, vrow, sc.part.data()); break;
             case 2: shared_rows<2>(rows, n, krow, vrow, sc.part.data()); break;
@@ -412,20 +417,20 @@ struct Attention {
     }
   }
 
-  // Up to kSharedRows consecutive rows of a work item: their scaled queries, score rows (kChunk apart),
-  // running max and sum, accumulators, and how many of the chunk's positions each may see.
+  // Up to kSharedRows consecutive rows of a work item: their queries (scaled float32, or bf16 pairs when
+  // ``pairs``), score rows (kChunk apart), running max and sum, accumulators, and how many of the chunk's
+  // positions each may see.
   struct Rows {
     const float* q;
+    const uint32_t* qp;  // the rows' bf16 query pairs, when scored on pairs
+    bool pairs;
     float *s, *m, *l, *acc;
     const int64_t* n_vis;
   };
 
-  // One chunk of n positions for NR rows at once. Scores: each K row is loaded (and widened) once for
-  // all NR rows, and the per-position vector products of W positions are summed by one transpose-and-add
-  // tree (vsum_rows) instead of W horizontal sums. Then each row's softmax step, and the weighted V rows
-  // added to all NR accumulators from one load of each V row.
+  // shared_rows' scores from float32 queries: each K row is loaded (and widened) once for all NR rows.
   template <int NR>
-  void shared_rows(const Rows& rw, int64_t n, const T* const* krow, const T* const* vrow, float* part) const {
+  void row_scores(const Rows& rw, int64_t n, const T* const* krow, float* part) const {
     const int64_t D = head_dim;
     for (int64_t j0 = 0; j0 < n; j0 += W) {
       const int64_t m = std::min<int64_t>(W, n - j0);
@@ -448,6 +453,56 @@ struct Attention {
         for (int i = 0; i < NR; ++i) vstore(part + (i * W + jj) * W, vzero());
       }
       for (int i = 0; i < NR; ++i) vstore(rw.s + i * kChunk + j0, vsum_rows(part + i * W * W));
+    }
+  }
+
+  // shared_rows' scores from bf16 pairs: each K row is kRowPairs-pair vectors multiplied by the rows'
+  // query pairs (held in registers) with vdpbf16ps, then summed W positions at a time as in shared_rows.
+  template <int NR>
+  void row_scores_pairs(const Rows& rw, int64_t n, const T* const* krow, float* part) const {
+#if defined(__AVX512BF16__)
+    const int64_t nv = head_dim / kRowPairs;
+    __m512bh qv[NR][kRowVecs];
+    for (int i = 0; i < NR; ++i) {
+      for (int64_t b = 0; b < nv; ++b) {
+        qv[i][b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(rw.qp + i * (head_dim / 2) + b * 16));
+      }
+    }
+    const vf vs = vset1(scale);
+    for (int64_t j0 = 0; j0 < n; j0 += W) {
+      const int64_t m = std::min<int64_t>(W, n - j0);
+      for (int64_t jj = 0; jj < m; ++jj) {
+        const T* k = krow[j0 + jj];
+        vf a[NR];
+        for (int i = 0; i < NR; ++i) a[i] = vzero();
+        for (int64_t b = 0; b < nv; ++b) {
+          const __m512bh kv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(k + b * kRowPairs));
+          for (int i = 0; i < NR; ++i) a[i] = _mm512_dpbf16_ps(a[i], qv[i][b], kv);
+        }
+        for (int i = 0; i < NR; ++i) vstore(part + (i * W + jj) * W, a[i]);
+      }
+      for (int64_t jj = m; jj < W; ++jj) {
+        for (int i = 0; i < NR; ++i) vstore(part + (i * W + jj) * W, vzero());
+      }
+      for (int i = 0; i < NR; ++i) vstore(rw.s + i * kChunk + j0, vmul(vsum_rows(part + i * W * W), vs));
+    }
+#else
+    (void)rw, (void)n, (void)krow, (void)part;
+    TORCH_CHECK(false, "paged_attention: bf16 pair scores need an AVX512-BF16 build");
+#endif
+  }
+
+  // One chunk of n positions for NR rows at once. Scores: each K row is loaded (and widened) once for
+  // all NR rows, and the per-position vector products of W positions are summed by one transpose-and-add
+  // tree (vsum_rows) instead of W horizontal sums. Then each row's softmax step, and the weighted V rows
+  // added to all NR accumulators from one load of each V row.
+  template <int NR>
+  void shared_rows(const Rows& rw, int64_t n, const T* const* krow, const T* const* vrow, float* part) const {
+    const int64_t D = head_dim;
+    if (rw.pairs) {
+      row_scores_pairs<NR>(rw, n, krow, part);
+    } else {
+      row_scores<NR>(rw, n, krow, part);
     }
     for (int i = 0; i < NR; ++i) {
       float* s = rw.s + i * kChunk;
