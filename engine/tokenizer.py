@@ -82,7 +82,12 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        hf = self.hf
+        if hf.clean_up_tokenization_spaces:
+            return str(hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        # What transformers' decode does without clean-up, minus its Python layers: the engine calls this
+        # twice per generated token (the detokenizer's window), between the model's forward passes.
+        return str(hf.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.hf.chat_template:
