@@ -102,21 +102,6 @@ async def test_greedy_tokens_equal_the_in_process_llm(engine: ProcessEngine) -> 
 
 
 @pytest.mark.integration
-@pytest.mark.asyncio(loop_scope="module")
-async def test_the_engine_process_holds_its_model_on_huge_pages(engine: ProcessEngine) -> None:
-    """The child inherits THP_MEM_ALLOC_ENABLE from ``engine``'s import and, on tcmalloc too, torch puts the
-    weights (float32 here: 0.5 GB, a packed copy besides) on 2 MiB pages."""
-    if os.environ.get("THP_MEM_ALLOC_ENABLE", "1") != "1":
-        pytest.skip("the operator turned torch's huge-page allocator off")
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("this kernel gives no transparent huge pages")
-    rollup = Path(f"/proc/{engine.pid}/smaps_rollup").read_text().splitlines()
-    huge = next(int(line.split()[1]) * 1024 for line in rollup if line.startswith("AnonHugePages:"))
-    assert huge >= 256 << 20
-
-
-@pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.asyncio(loop_scope="module")
 async def test_abort_mid_stream_frees_every_kv_block(engine: ProcessEngine) -> None:
