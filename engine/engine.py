@@ -443,7 +443,7 @@ class LLMEngine:
         results = []
         for i, hyp in enumerate(hyps):
             seq = Sequence(group.prompt_token_ids + list(hyp.token_ids), group.num_prompt_tokens, index=i)
-            detok = IncrementalDetokenizer(self.tokenizer.hf, seq.prompt_token_ids, params,
+            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params,
                                            eos_token_ids=self.eos_token_ids)
             step = detok.step(list(hyp.token_ids))
             if not step.stopped:
@@ -474,7 +474,7 @@ class LLMEngine:
         detok = self._detok.get(seq.seq_id)
         if detok is None:
             detok = self._detok[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer.hf, seq.prompt_token_ids, params, eos_token_ids=self.eos_token_ids
+                self.tokenizer, seq.prompt_token_ids, params, eos_token_ids=self.eos_token_ids
             )
         step = detok.step([token])
         text = step.text_delta

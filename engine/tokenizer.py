@@ -29,6 +29,26 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "chatsvc"
 
 
+# Spaces before punctuation, which transformers' clean-up removes where it applies it.
+_CLEAN_UP_PROBE = "a . b , c ! d ? e 's f n't g 're"
+
+
+def decode_mode(hf: PreTrainedTokenizerFast) -> str:
+    """How ``hf.decode`` turns ids into text: "raw" (the Rust tokenizer's output as it is), "clean_up" (then
+    transformers' ``clean_up_tokenization``) or, where a probe matches neither, "hf" (call ``hf.decode``).
+    transformers versions differ on whether a BPE vocabulary's ``clean_up_tokenization_spaces`` is obeyed
+    (5.x ignores it), so the probe asks the installed one."""
+    if not hf.clean_up_tokenization_spaces:
+        return "raw"
+    ids = hf.encode(_CLEAN_UP_PROBE, add_special_tokens=False)
+    raw = str(hf.backend_tokenizer.decode(ids, skip_special_tokens=True))
+    full = str(hf.decode(ids, skip_special_tokens=True))
+    cleaned = hf.clean_up_tokenization(raw)
+    if cleaned == raw:  # this vocabulary cannot show the difference
+        return "hf"
+    return "raw" if full == raw else "clean_up" if full == cleaned else "hf"
+
+
 class Tokenizer:
     """Safe to share between threads: each thread uses its own copy of the transformers tokenizer.
 
@@ -50,6 +70,7 @@ class Tokenizer:
             eos.add(int(hf.eos_token_id))
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self.vocab_size: int = len(hf)
+        self._decode_mode = decode_mode(hf)
 
     @property
     def hf(self) -> PreTrainedTokenizerFast:
@@ -82,12 +103,13 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # What transformers' decode does, minus its Python layers (~3x the Rust call's cost): the engine calls
+        # this twice per generated token (the detokenizer's window), between the model's forward passes.
         hf = self.hf
-        if hf.clean_up_tokenization_spaces:
+        if self._decode_mode == "hf":
             return str(hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
-        # What transformers' decode does without clean-up, minus its Python layers: the engine calls this
-        # twice per generated token (the detokenizer's window), between the model's forward passes.
-        return str(hf.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        text = str(hf.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return hf.clean_up_tokenization(text) if self._decode_mode == "clean_up" else text
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.hf.chat_template:

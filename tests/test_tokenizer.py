@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 import engine.tokenizer as tokmod
 from engine.loader import default_model_path
 from engine.model.testing import make_tiny_tokenizer
-from engine.tokenizer import Tokenizer, gguf_tokenizer_dir
+from engine.tokenizer import Tokenizer, decode_mode, gguf_tokenizer_dir
 
 TEXTS = [
     "Hello, world!",
@@ -20,6 +21,7 @@ TEXTS = [
     "Ünïcödé — “quotes”, 日本語, emoji 🤖👍🏽",
     "def f(x):\n    return x ** 2  # code",
     "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "Spaces before punctuation , like this . Or ! And ? It 's , isn't , we 're , I 'm , they 've",
     "",
 ]
 CONVERSATIONS = [
@@ -49,6 +51,23 @@ def test_special_tokens_skipped_only_on_request(tiny: Tokenizer) -> None:
     assert tiny.hf.convert_tokens_to_ids("<|im_start|>") in ids
     assert tiny.decode(ids, skip_special_tokens=False) == TEXTS[4]
     assert tiny.decode(ids) == "user\nspecial tokens inline"
+
+
+@pytest.mark.parametrize("force_bpe_clean_up", [False, True])
+def test_decode_equals_transformers_with_clean_up_on(tiny: Tokenizer, force_bpe_clean_up: bool) -> None:
+    """decode skips transformers' Python layers: where a tokenizer asks for clean-up, the installed transformers
+    decides whether a BPE vocabulary gets it (5.x: only with its override), and decode follows it."""
+    hf = copy.deepcopy(tiny.hf)
+    hf.clean_up_tokenization_spaces = True
+    if force_bpe_clean_up:
+        hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    tok = Tokenizer(hf)
+    assert decode_mode(hf) in ("raw", "clean_up")  # the probe told the two apart
+    for text in TEXTS:
+        ids = tok.encode(text)
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert decode_mode(tiny.hf) == "raw"
 
 
 def test_chat_template_renders_chatml(tiny: Tokenizer) -> None:
