@@ -98,11 +98,7 @@ def main() -> None:
              + ", ".join(f"{r} rows {ms}" for r, ms in linears.items()),
              f"decode step of 32 sequences, ms (rounds): padded to 33 {decode['padded']}, exact {decode['exact']}",
              json.dumps(summary)]
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("a") as f:
-            f.write("\n".join(lines) + "\n\n")
-    print("\n".join(lines))
+    machine.report(lines, args.output)
 
 
 if __name__ == "__main__":

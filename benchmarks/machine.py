@@ -162,3 +162,13 @@ def load_window(label: str, record: dict[str, Any]) -> Iterator[None]:
         yield
     finally:
         entry["after"] = list(load_avg())
+
+
+def report(lines: list[str], output: Path | None) -> None:
+    """Prints a benchmark's report and, with ``output``, appends it there (records accumulate, a blank line
+    apart)."""
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with output.open("a") as f:
+            f.write("\n".join(lines) + "\n\n")
+    print("\n".join(lines))

@@ -34,6 +34,17 @@ sys.path[:0] = [str(ROOT / "benchmarks")]
 import machine  # noqa: E402
 
 
+def anon_huge_bytes() -> int:
+    """This process's anonymous memory on transparent huge pages (``AnonHugePages``), 0 where unknown."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def worker(tree: Path, rows: int, dtype: str) -> None:
     """One side: ``rows`` sequences brought to pure decode, then one decode step per ``step`` line on stdin,
     each answered with its wall time in ms (``quit`` ends it)."""
@@ -48,7 +59,7 @@ def worker(tree: Path, rows: int, dtype: str) -> None:
         engine.add_request(f"s{i}", params, prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(128)])
     for _ in range(-(-rows * 128 // 2048) + 8):  # the prefill steps, then a few decodes (first-call paths)
         engine.step()
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True, "huge_bytes": anon_huge_bytes()}), flush=True)
     for line in sys.stdin:
         if line.strip() != "step":
             break
@@ -58,20 +69,21 @@ def worker(tree: Path, rows: int, dtype: str) -> None:
 
 
 class Side:
-    """A worker process running the engine of one tree, stepped on demand."""
+    """A worker process running the engine of ``tree`` with ``env`` added to this environment, stepped on
+    demand; ``ready`` is what it reported once at pure decode."""
 
-    def __init__(self, tree: Path, rows: int, dtype: str, extensions: Path) -> None:
+    def __init__(self, tree: Path, rows: int, dtype: str, env: dict[str, str]) -> None:
         # A short OpenMP spin: the side that waits must not take the cores from the side that steps.
-        env = dict(os.environ, GOMP_SPINCOUNT="10000", TORCH_EXTENSIONS_DIR=str(extensions),
-                   PYTHONPATH=str(tree))
+        full_env = dict(os.environ, GOMP_SPINCOUNT="10000", PYTHONPATH=str(tree), **env)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tree), "--rows", str(rows),
                "--dtype", dtype]
-        self.proc = subprocess.Popen(cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, env=full_env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the engine of {tree} did not start (exit {self.proc.wait()})")
+        self.ready: dict[str, object] = dict(json.loads(line))
 
     def step(self) -> float:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -84,6 +96,25 @@ class Side:
         self.proc.stdin.write("quit\n")
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+
+
+def take_turns(sides: dict[str, Side], steps: int) -> dict[str, list[float]]:
+    """``steps`` decode steps of each side, one side's step after the other's, the first of each pair
+    alternating; the sides are closed after."""
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(steps):
+        for name in names[:: 1 if i % 2 == 0 else -1]:
+            times[name].append(sides[name].step())
+    for side in sides.values():
+        side.close()
+    return times
+
+
+def medians_and_ratio(times: dict[str, list[float]], num: str, den: str) -> tuple[dict[str, float], float]:
+    """Each side's median step (ms) and the median over step pairs of ``num``'s step over ``den``'s."""
+    medians = {k: round(statistics.median(v), 2) for k, v in times.items()}
+    return medians, round(statistics.median(a / b for a, b in zip(times[num], times[den], strict=True)), 3)
 
 
 def main() -> None:
@@ -106,27 +137,20 @@ def main() -> None:
     dtype = machine.resolve_dtype(args.dtype)
     base = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
                           check=True).stdout.strip()
-    steps: dict[int, dict[str, list[float]]] = {}
+    medians: dict[int, dict[str, float]] = {}
+    ratios: dict[int, float] = {}
     with tempfile.TemporaryDirectory(prefix="step-ab-") as tmp:
         base_tree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), base], cwd=ROOT, check=True,
                        capture_output=True)
         try:
             for n in rows:
-                sides = {"base": Side(base_tree, n, dtype, Path(tmp) / "ext-base"),
-                         "new": Side(ROOT, n, dtype, Path(tmp) / "ext-new")}
-                times: dict[str, list[float]] = {"base": [], "new": []}
-                for i in range(args.steps):
-                    for name in ("base", "new")[:: 1 if i % 2 == 0 else -1]:
-                        times[name].append(sides[name].step())
-                for side in sides.values():
-                    side.close()
-                steps[n] = times
+                # Each side builds the C++ kernels of its own tree into its own extension directory.
+                sides = {"base": Side(base_tree, n, dtype, {"TORCH_EXTENSIONS_DIR": str(Path(tmp) / "ext-base")}),
+                         "new": Side(ROOT, n, dtype, {"TORCH_EXTENSIONS_DIR": str(Path(tmp) / "ext-new")})}
+                medians[n], ratios[n] = medians_and_ratio(take_turns(sides, args.steps), "base", "new")
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, capture_output=True)
-    medians = {n: {k: round(statistics.median(v), 2) for k, v in t.items()} for n, t in steps.items()}
-    ratios = {n: round(statistics.median(b / w for b, w in zip(t["base"], t["new"], strict=True)), 3)
-              for n, t in steps.items()}
     summary = {
         "base": base, "step_ms": medians, "base_over_new": ratios, "steps": args.steps,
         "cpu": host.cpu, "isa": host.isa, "cores": host.cores, "commit": host.commit, "torch": host.torch,
@@ -137,11 +161,7 @@ def main() -> None:
              *(f"decode step of {n} sequences, median of {args.steps} ms: base {base} {m['base']}, this checkout "
                f"{m['new']}; median of the step pairs' base / new: {ratios[n]}" for n, m in medians.items()),
              json.dumps(summary)]
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("a") as f:
-            f.write("\n".join(lines) + "\n\n")
-    print("\n".join(lines))
+    machine.report(lines, args.output)
 
 
 if __name__ == "__main__":
