@@ -68,6 +68,7 @@ DECODE_CASES = [
     (16, 3, 64, [40, 1, 130], torch.bfloat16, 2),
     (16, 4, 128, [70, 5, 300], torch.bfloat16, 1),  # bf16 pair scores: four rows, scale not a power of 2
     (8, 1, 80, [20, 3], torch.bfloat16, 0),  # a head size off the pair vectors: float32 scores
+    (16, 3, 96, [45, 2, 77], torch.bfloat16, 1),  # bf16 pairs for PV one 32-dim block at a time
     (32, 4, 64, [33, 100, 2], torch.float16, 1),
     (4, 2, 24, [5, 13, 1], torch.float32, 0),
 ]
@@ -91,6 +92,7 @@ PREFILL_CASES = [
     (16, 3, 64, [45, 30, 2], [45, 12, 2], torch.bfloat16, 1),
     (8, 4, 128, [70, 20, 9], [37, 20, 5], torch.bfloat16, 1),  # bf16 pair scores, scale not a power of 2
     (16, 1, 64, [50, 13], [50, 13], torch.bfloat16, 0),  # tiles whose last row group is short
+    (16, 3, 96, [60, 19], [41, 19], torch.bfloat16, 0),  # bf16 PV pairs one 32-dim block at a time
     (32, 4, 64, [40, 80], [23, 40], torch.float16, 0),
     (8, 3, 24, [29, 7, 16], [10, 7, 1], torch.float32, 0),
 ]

@@ -245,6 +245,11 @@ constexpr bool kPairDot = true;  // bf16 K and Q multiplied pairwise by vdpbf16p
 #else
 constexpr bool kPairDot = false;
 #endif
+#if defined(__AVX512F__)
+using pairvec = __m512i;  // 32 bf16 values, two per 32-bit lane
+#else
+struct pairvec {};  // the pair paths are AVX512-BF16 only; this keeps their signatures compiling elsewhere
+#endif
 static_assert(kChunk % (4 * W) == 0, "scores_tiled writes whole groups of four vectors");
 
 struct Item {
@@ -289,6 +294,8 @@ struct Attention {
     // applied to the sums: exact for D = 64); everything else on float32 queries scaled once here.
     const bool pairs = kPairDot && std::is_same_v<T, c10::BFloat16> &&
                        (tiled ? D % 2 == 0 && D <= 2 * kMaxPairs : D % kRowPairs == 0 && D <= kRowPairs * kRowVecs);
+    // V on pairs too (accumulate_pairs) where the head size is whole vectors of them.
+    const bool v_pairs = pairs && D % 32 == 0;
     uint32_t* QP = sc.qp.data();
     for (int64_t i = 0; i < n_q; ++i) {
       for (int64_t g = 0; g < group; ++g) {
@@ -345,12 +352,23 @@ struct Attention {
             std::fill(dst + cn, dst + cols, 0.f);  // scored, never used: keep them finite
           }
         }
-        for (int64_t j = 0; j < cn; ++j) {
-          if constexpr (std::is_same_v<T, float>) {
-            vrow_f[j] = vrow[j];
-          } else {
-            widen(vrow[j], Vf + j * D, D);
-            vrow_f[j] = Vf + j * D;
+        if (v_pairs) {  // V interleaved once per chunk for accumulate_pairs: every tile of rows reads it
+          uint32_t* Vp = reinterpret_cast<uint32_t*>(Vf);
+          for (int64_t jp = 0; jp < (cn + 1) / 2; ++jp) {
+            for (int64_t d = 0; d < D; d += 32) {
+              pairvec lo, hi;
+              interleave(vrow, cn, jp, d, lo, hi);
+              store_pairs(Vp + jp * D + d, lo, hi);
+            }
+          }
+        } else {
+          for (int64_t j = 0; j < cn; ++j) {
+            if constexpr (std::is_same_v<T, float>) {
+              vrow_f[j] = vrow[j];
+            } else {
+              widen(vrow[j], Vf + j * D, D);
+              vrow_f[j] = Vf + j * D;
+            }
           }
         }
       }
@@ -402,7 +420,17 @@ struct Attention {
           if (n_vis[i] > 0) softmax_step(ss[i], n_vis[i], M[r + i], L[r + i], as[i]);
           std::fill(ss[i] + std::max<int64_t>(n_vis[i], 0), ss[i] + n, 0.f);
         }
-        accumulate_rows(ss, n, vrow_f, as);
+        if (v_pairs) {
+          const uint32_t* Vp = reinterpret_cast<const uint32_t*>(Vf);
+          auto pair = [&](int64_t jp, int64_t d, pairvec& lo, pairvec& hi) { load_pairs(Vp + jp * D + d, lo, hi); };
+          if (D % 64 == 0) {
+            accumulate_pairs<kTileRows, 2>(ss, as, n, pair);
+          } else {
+            accumulate_pairs<kTileRows, 1>(ss, as, n, pair);
+          }
+        } else {
+          accumulate_rows(ss, n, vrow_f, as);
+        }
       }
     }
 
@@ -510,6 +538,18 @@ struct Attention {
       if (nv > 0) softmax_step(s, nv, rw.m[i], rw.l[i], rw.acc + i * D);
       std::fill(s + std::max<int64_t>(nv, 0), s + n, 0.f);  // positions after the row's own weigh 0
     }
+    if (rw.pairs) {
+      float* ss[NR];
+      float* as[NR];
+      for (int i = 0; i < NR; ++i) ss[i] = rw.s + i * kChunk, as[i] = rw.acc + i * D;
+      auto pair = [&](int64_t jp, int64_t d, pairvec& lo, pairvec& hi) { interleave(vrow, n, jp, d, lo, hi); };
+      if (D % 64 == 0) {
+        accumulate_pairs<NR, 2>(ss, as, n, pair);
+      } else {
+        accumulate_pairs<NR, 1>(ss, as, n, pair);
+      }
+      return;
+    }
     constexpr int VB = W >= 16 ? 4 : (W >= 8 ? 2 : 1);  // vectors of D per pass, to stay in registers
     int64_t d = 0;
     for (; d + VB * W <= D; d += VB * W) {
@@ -533,6 +573,92 @@ struct Attention {
     if (d < D) {
       for (int i = 0; i < NR; ++i) accumulate_from(rw.s + i * kChunk, n, vrow, rw.acc + i * D, d);
     }
+  }
+
+  // acc[i] += sum_j s[i][j] V[j] for NR rows on bf16 pairs: the probabilities rounded to bf16 (as flash
+  // attention does before its PV product; the sums stay float32), two consecutive positions per vdpbf16ps.
+  // pair(jp, d, lo, hi) gives V rows 2 jp and 2 jp + 1 interleaved 16 bits at a time over dims [d, d + 32) (an
+  // odd n's last partner may be any finite row: it weighs 0). unpacklo/hi interleave within 128-bit lanes, so
+  // the accumulators hold those dims permuted while the positions run (lo: d + 0-3, 8-11, ...; hi: 4-7, ...).
+  // s[i] must have room up to n rounded up to 32 (kChunk does).
+  template <int NR, int KB, typename Pair>
+  void accumulate_pairs(float* const* s, float* const* acc, int64_t n, const Pair& pair) const {
+#if defined(__AVX512BF16__)
+    const int64_t np = (n + 1) / 2;
+    uint32_t pp[NR][kChunk / 2];
+    for (int i = 0; i < NR; ++i) {
+      std::fill(s[i] + n, s[i] + (n + 31) / 32 * 32, 0.f);
+      for (int64_t j0 = 0; j0 < n; j0 += 32) {
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s[i] + j0 + 16), _mm512_loadu_ps(s[i] + j0));
+        _mm512_storeu_si512(pp[i] + j0 / 2, reinterpret_cast<__m512i>(b));
+      }
+    }
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 32 * KB) {
+      __m512 a[NR][2 * KB];
+      for (int i = 0; i < NR; ++i) {
+        for (int b = 0; b < KB; ++b) {
+          const float* x = acc[i] + d0 + 32 * b;
+          const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+          a[i][2 * b] = _mm512_shuffle_f32x4(x0, x1, 0x88);
+          a[i][2 * b + 1] = _mm512_shuffle_f32x4(x0, x1, 0xDD);
+        }
+      }
+      for (int64_t jp = 0; jp < np; ++jp) {
+        for (int b = 0; b < KB; ++b) {
+          pairvec lo, hi;
+          pair(jp, d0 + 32 * b, lo, hi);
+          for (int i = 0; i < NR; ++i) {
+            const __m512bh p = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pp[i][jp])));
+            a[i][2 * b] = _mm512_dpbf16_ps(a[i][2 * b], p, reinterpret_cast<__m512bh>(lo));
+            a[i][2 * b + 1] = _mm512_dpbf16_ps(a[i][2 * b + 1], p, reinterpret_cast<__m512bh>(hi));
+          }
+        }
+      }
+      for (int i = 0; i < NR; ++i) {
+        for (int b = 0; b < KB; ++b) {
+          float* x = acc[i] + d0 + 32 * b;
+          const __m512 lo = a[i][2 * b], hi = a[i][2 * b + 1];
+          const __m512 t0 = _mm512_shuffle_f32x4(lo, hi, 0x44), t1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+          _mm512_storeu_ps(x, _mm512_shuffle_f32x4(t0, t0, 0xD8));
+          _mm512_storeu_ps(x + 16, _mm512_shuffle_f32x4(t1, t1, 0xD8));
+        }
+      }
+    }
+#else
+    (void)s, (void)acc, (void)n, (void)pair;
+    TORCH_CHECK(false, "paged_attention: bf16 pair accumulation needs an AVX512-BF16 build");
+#endif
+  }
+
+  // Interleaved V pairs (lo, then hi) to and from a chunk's buffer.
+  static void store_pairs(uint32_t* dst, const pairvec& lo, const pairvec& hi) {
+#if defined(__AVX512BF16__)
+    _mm512_storeu_si512(dst, lo);
+    _mm512_storeu_si512(dst + 16, hi);
+#else
+    (void)dst, (void)lo, (void)hi;
+#endif
+  }
+  static void load_pairs(const uint32_t* src, pairvec& lo, pairvec& hi) {
+#if defined(__AVX512BF16__)
+    lo = _mm512_loadu_si512(src);
+    hi = _mm512_loadu_si512(src + 16);
+#else
+    (void)src, (void)lo, (void)hi;
+#endif
+  }
+
+  // V rows 2 jp and 2 jp + 1 of a chunk interleaved for accumulate_pairs, straight from the pool.
+  static void interleave(const T* const* vrow, int64_t n, int64_t jp, int64_t d, pairvec& lo, pairvec& hi) {
+#if defined(__AVX512BF16__)
+    const T* v0 = vrow[2 * jp];
+    const T* v1 = 2 * jp + 1 < n ? vrow[2 * jp + 1] : v0;
+    const __m512i x = _mm512_loadu_si512(v0 + d), y = _mm512_loadu_si512(v1 + d);
+    lo = _mm512_unpacklo_epi16(x, y);
+    hi = _mm512_unpackhi_epi16(x, y);
+#else
+    (void)vrow, (void)n, (void)jp, (void)d, (void)lo, (void)hi;
+#endif
   }
 
   // Scores s[0..n) of one row -> unnormalized probabilities under the row's running max m, which may
