@@ -142,14 +142,19 @@ def _clear_stale_lock(name: str) -> None:
 
 @functools.cache
 def _build(isa: str) -> ModuleType:
+    return build_source(SOURCE, f"chatsvc_cpu_kernels_{isa}", isa)
+
+
+def build_source(source: Path, name: str, isa: str) -> ModuleType:
+    """Build (or load the cached build of) ``source`` for ``isa`` as the extension ``name``, with the engine's
+    flags; benchmarks/cpu_attention.py --base builds another commit's kernels this way, beside this one's."""
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    name = f"chatsvc_cpu_kernels_{isa}"
     _clear_stale_lock(name)
     ext: ModuleType = cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(source)],
         # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
         # The extension then shares the libgomp torch already loaded (same soname). No FMA contraction
         # of plain C++ expressions: the elementwise ops round exactly as torch's own kernels do.
