@@ -87,15 +87,18 @@ def paged(lens: torch.Tensor, batch: int, dtype: torch.dtype, gen: torch.Generat
 
 
 def turns_ms(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """Median ms of each of ``fns``, called in turns (one call of each per round, after a warm-up call)."""
+    """Median ms of each of ``fns``, called in turns (one call of each per round, after a warm-up call). The
+    round's first side rotates: a side called right after another finds that one's data in the caches (the
+    larger pools here fill L3), so a fixed order would favour whoever follows the kernel sharing its pool."""
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()
-    for _ in range(reps):
-        for fn, ts in zip(fns, times, strict=True):
+    for r in range(reps * len(fns)):
+        order = range(r % len(fns), r % len(fns) + len(fns))
+        for i in (j % len(fns) for j in order):
             start = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - start)
+            fns[i]()
+            times[i].append(time.perf_counter() - start)
     return [statistics.median(ts) * 1e3 for ts in times]
 
 
