@@ -235,5 +235,5 @@ class ModelRunner:
         n = last.shape[0]
         if self.slow_rows is not None and n in self.slow_rows:  # the LM head out of the slow band too
             last = torch.cat((last, last.new_zeros(self.slow_rows.stop - n, last.shape[1])))
-        logits = self.model.compute_logits(last)[:n]
+        logits = self.model.compute_logits(last, widen=False)[:n]
         return logits, inp.samplers

@@ -72,9 +72,9 @@ def _traced_engine(model_dir: str, attention_backend: str, pad_rows: bool, slow_
         traced.rows.append((int(inp.input_ids.shape[0]), int(inp.attn_metadata.query_start_loc[-1])))
         return inp
 
-    def head(hidden: torch.Tensor) -> torch.Tensor:
+    def head(hidden: torch.Tensor, widen: bool = True) -> torch.Tensor:
         traced.heads.append(int(hidden.shape[0]))
-        out: torch.Tensor = logits_of(hidden)
+        out: torch.Tensor = logits_of(hidden, widen)
         return out
 
     engine.runner.prepare = observed  # type: ignore[method-assign]

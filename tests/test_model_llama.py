@@ -146,6 +146,12 @@ def test_half_precision_close_to_float32(tiny_dirs: dict[str, Path], dtype: torc
     # Rounding error only: small next to the logits' spread, not equal (that would mean no conversion).
     err = (low - full).abs().max().item()
     assert 0 < err < 0.05 * full.abs().max().item()
+    # Unwidened (what the engine's runner asks for): the same values, in the model's dtype.
+    with torch.inference_mode():
+        hidden = lm16.model(torch.tensor(ids), pos, empty_cache(lm16, dtype=dtype), meta)
+        narrow = lm16.model.compute_logits(hidden, widen=False)
+        assert narrow.dtype == dtype
+        assert torch.equal(narrow.float(), lm16.model.compute_logits(hidden))
 
 
 def test_triton_backend_matches_torch_backend(tiny_dirs: dict[str, Path]) -> None:
