@@ -21,7 +21,10 @@ default run is sized for about 10 minutes on the project's 2-core AMX machine in
 took 59 s engine, 133 s transformers on 200 prompts, 80 s max_len on a 2-core AVX2 EPYC; transformers now
 runs 96 prompts, and the breakdown adds two prefills and 4 x 8 decode steps); a float32 run on an AVX2-only
 machine takes much longer (the 200-prompt float32 run took ~26 minutes there). The last text line before
-the JSON prints the seconds each phase took, to check this. On a busy machine every phase is many times
+the JSON prints the seconds each phase took, to check this. ``--rounds N`` runs (a) and (b) N times, taking
+turns (the order flips each round), and reports the median of the rounds' ratios: the phases run minutes
+apart, and a 2-core VM's speed swings between minutes (transformers made 88.6 and 117.5 tok/s in two single
+runs there), so one round's ratio says as much about the minutes as about the code. On a busy machine every phase is many times
 slower (torch's OpenMP threads wait for each other's time slices): measure on a quiet one.
 
 Workload: the first ``--num-prompts`` ShareGPT prompts (``../shared/data/sharegpt_prompts_1000.json``,
@@ -481,6 +484,8 @@ def main() -> None:
                              "throughput is per batch, so fewer batches estimate it at a fraction of the time")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="(a) and (b) this many times each, taking turns; the ratio is the median of the rounds'")
     parser.add_argument("--skip-max-len", action="store_true")
     parser.add_argument("--breakdown-rows", default="32,96",
                         help="decode batch sizes for the per-step breakdown (empty: none)")
@@ -527,19 +532,29 @@ def main() -> None:
         phases[name] = round(time.perf_counter() - since, 1)
 
     results: list[RunResult] = []
-    t = time.perf_counter()
-    engine_res, util, engine_rows, model = run_engine(prompts, args, "paged")
-    phase("engine", t)
-    results.append(engine_res)
-    print(engine_res.line(), flush=True)
-    hf_res = max_len_res = None
+    engine_runs: list[RunResult] = []
+    hf_runs: list[RunResult] = []
+    for r in range(max(1, args.rounds)):
+        for side in ("engine", "transformers")[:: 1 if r % 2 == 0 else -1]:
+            t = time.perf_counter()
+            if side == "engine":
+                run, util, engine_rows, model = run_engine(prompts, args, "paged")
+                engine_runs.append(run)
+            elif not args.skip_hf:
+                run = run_hf(hf_prompts, args)
+                hf_runs.append(run)
+            else:
+                continue
+            phase(side if args.rounds <= 1 else f"{side}_{r + 1}", t)
+            results.append(run)
+            print(run.line(), flush=True)
+    # The round whose ratio is the median stands for the run (its engine result feeds the GEMM floor's share).
+    round_ratios = [e.tok_s / h.tok_s for e, h in zip(engine_runs, hf_runs, strict=True)] if hf_runs else []
+    mid = sorted(range(len(round_ratios)), key=round_ratios.__getitem__)[len(round_ratios) // 2] if hf_runs else -1
+    engine_res = engine_runs[mid]
+    hf_res = hf_runs[mid] if hf_runs else None
+    max_len_res = None
     max_len_rows: list[tuple[int, int]] = []
-    if not args.skip_hf:
-        t = time.perf_counter()
-        hf_res = run_hf(hf_prompts, args)
-        phase("transformers", t)
-        results.append(hf_res)
-        print(hf_res.line(), flush=True)
     if not args.skip_max_len:
         t = time.perf_counter()
         max_len_res, _, max_len_rows, _ = run_engine(prompts, args, "max_len")
@@ -589,6 +604,7 @@ def main() -> None:
         "hf_static_tok_s": round(hf_res.tok_s, 1) if hf_res else None,
         "max_len_tok_s": round(max_len_res.tok_s, 1) if max_len_res else None,
         "speedup_vs_hf": ratio(hf_res),
+        "speedup_vs_hf_rounds": [round(x, 3) for x in round_ratios],
         "speedup_vs_max_len": ratio(max_len_res),
         "kv_utilization": round(util, 4),
         "engine_gemm_share": round(engine_floor / engine_res.seconds, 3),
