@@ -121,9 +121,7 @@ def base_kernels(rev: str) -> cpu_kernels.CpuKernels:
     path = Path(tempfile.mkdtemp(prefix="cpu_attention_base_")) / "cpu_kernels.cpp"
     path.write_text(source)
     isa = cpu_kernels.selected_isa()
-    kernels = cpu_kernels.CpuKernels.__new__(cpu_kernels.CpuKernels)
-    kernels.ext = cpu_kernels.build_source(path, f"chatsvc_cpu_kernels_{isa}_base_{commit}", isa)
-    return kernels
+    return cpu_kernels.CpuKernels(ext=cpu_kernels.build_source(path, f"chatsvc_cpu_kernels_{isa}_base_{commit}", isa))
 
 
 def main() -> None:

@@ -21,11 +21,14 @@ default run is sized for about 10 minutes on the project's 2-core AMX machine in
 took 59 s engine, 133 s transformers on 200 prompts, 80 s max_len on a 2-core AVX2 EPYC; transformers now
 runs 96 prompts, and the breakdown adds two prefills and 4 x 8 decode steps); a float32 run on an AVX2-only
 machine takes much longer (the 200-prompt float32 run took ~26 minutes there). The last text line before
-the JSON prints the seconds each phase took, to check this. ``--rounds N`` runs (a) and (b) N times, taking
-turns (the order flips each round), and reports the median of the rounds' ratios: the phases run minutes
-apart, and a 2-core VM's speed swings between minutes (transformers made 88.6 and 117.5 tok/s in two single
-runs there), so one round's ratio says as much about the minutes as about the code. On a busy machine every phase is many times
+the JSON prints the seconds each phase took, to check this. On a busy machine every phase is many times
 slower (torch's OpenMP threads wait for each other's time slices): measure on a quiet one.
+
+``--rounds N`` runs (a) and (b) N times, taking turns (the order flips each round), and reports the median of
+the rounds' ratios (every round's in ``speedup_vs_hf_rounds``): the phases run minutes apart, and a 2-core
+VM's speed swings between minutes (transformers made 88.6 and 117.5 tok/s in two single runs there,
+``benchmarks/results/offline_throughput.txt``), so one round's ratio says as much about the minutes as about
+the code.
 
 Workload: the first ``--num-prompts`` ShareGPT prompts (``../shared/data/sharegpt_prompts_1000.json``,
 fallback ``chatsvc/data/``), each as one user turn in the default model's chat template, the user text

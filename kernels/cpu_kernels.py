@@ -175,8 +175,10 @@ class CpuKernels:
     copy_blocks = staticmethod(copy_blocks)
     swap_blocks = staticmethod(swap_blocks)
 
-    def __init__(self, isa: str | None = None) -> None:
-        self.ext = load_extension(isa)
+    def __init__(self, isa: str | None = None, ext: ModuleType | None = None) -> None:
+        """``ext``: an already built extension to use instead (benchmarks/cpu_attention.py --base: another
+        commit's kernels through ``build_source``)."""
+        self.ext = ext if ext is not None else load_extension(isa)
         self.ops = ModelOps(fused_add_rms_norm=self.fused_add_rms_norm, silu_and_mul=self.silu_and_mul,
                             rotary_embedding=self.rotary_embedding)
 

@@ -312,6 +312,14 @@ def test_cpu_backend_exposes_the_cpu_ops() -> None:
     assert backend.mixed_batches and not kernels.get_backend("torch", "cpu").mixed_batches
 
 
+def test_a_given_extension_is_used_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CpuKernels(ext=...) (how benchmarks/cpu_attention.py --base runs another commit's build) loads nothing."""
+    ext = cpu_kernels.load_extension()
+    monkeypatch.setattr(cpu_kernels, "load_extension", lambda isa=None: pytest.fail("loaded an extension"))
+    kern = cpu_kernels.CpuKernels(ext=ext)
+    assert kern.ext is ext and kern.ops.silu_and_mul == kern.silu_and_mul
+
+
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch waits forever on a lock left by a killed build; ours clears locks older than a build can take."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
