@@ -19,16 +19,25 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 # The flags that decide which matmul and attention paths a CPU gets (vLLM's and ours).
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 # Above this 1-minute load average before a run, something else is using a core.
 BUSY_LOAD = 0.5
 
 
 def cpu_model() -> str:
+    """``model name`` from ``/proc/cpuinfo``, with the x86 family and model: a VM's CPU often reads only "AMD
+    EPYC", which a Zen 4 (family 25) and a Zen 5 (family 26) share while their AVX-512 runs at half and at
+    full width."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, sep, value = line.partition(":")
+            if not sep:
+                break  # the first processor's block ends at a blank line
+            fields.setdefault(key.strip(), value.strip())
+        if "model name" in fields:
+            family = f" (family {fields['cpu family']} model {fields['model']})" if "cpu family" in fields else ""
+            return fields["model name"] + family
     except OSError:
         pass
     import platform
