@@ -120,7 +120,11 @@ def live(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     tiny = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-slow"), arch="llama", max_position_embeddings=2048)
     eng = ProcessEngine.from_args(str(tiny), engine_threads=1, **ENGINE_KW)
-    app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), Settings(web_dir=Path("/nonexistent")))
+    # The slow client reads nothing until the engine has finished the whole reply: on a loaded machine that
+    # outlasts the default 30 s send timeout, which would cut the stream these tests mean to read whole (the
+    # timeout has tests of its own).
+    settings = Settings(web_dir=Path("/nonexistent"), sse_send_timeout_s=600.0)
+    app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), settings)
     with LiveServer(app) as server:
         yield server, eng
 
