@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import mmap
 import os
@@ -36,6 +37,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_ALIASES = {None, "", "default", "smollm2", DEFAULT_MODEL_NAME.lower(),
                     f"huggingfacetb/{DEFAULT_MODEL_NAME.lower()}"}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -101,6 +104,8 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
         net.pack_linears()
     if kernel is not None:
         net.quantize_linears(kernel)
+    elif linear_impl == "onednn" and not net.fuse_layers():
+        log.info("decoder layers run module by module (no C++ layer loop for backend %s)", backend.name)
     return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)
 
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.loader import LoadedModel, load_model
 from engine.model.attention import AttentionMetadata, prefill_metadata
+from engine.model.quant import has_vnni
 from engine.model.testing import make_tiny_model_dir
 
 BLOCK = 4  # small blocks so short prompts span several blocks and the block tables matter
@@ -190,3 +191,69 @@ def test_real_gguf_model_matches_transformers(real_model: LoadedModel) -> None:
     ref = reference_logits(lm.path.parent, ids, gguf_file=lm.path.name)
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+# ---- the C++ layer loop (LlamaForCausalLM.fuse_layers) ------------------------------------------------
+
+def three_steps(lm: LoadedModel, pad: int) -> list[tuple[list[int], torch.Tensor, AttentionMetadata]]:
+    """A prefill of two sequences (one a first chunk), a step mixing a decode, B's next chunk and C's whole
+    prompt, and a decode of all three; the last padded with ``pad`` rows past its real tokens, as the runner
+    pads a step's GEMM rows (token 0 at position 0, no slot, AttentionMetadata.num_tokens)."""
+    ids = lm.tokenizer.encode("Hello! How are you today? The quick brown fox jumps over the lazy dog again.")
+    tables = torch.tensor([[0, 1, 8], [2, 3, 4], [5, 6, 7]], dtype=torch.int32)
+
+    def slots(seq: int, ps: range) -> list[int]:
+        return [int(tables[seq, p // BLOCK]) * BLOCK + p % BLOCK for p in ps]
+
+    def meta(slot: list[int], n: int, lens: list[int], starts: list[int], decodes: int,
+             num_tokens: int | None = None) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slot), block_tables=tables[:n], context_lens=torch.tensor(lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32), num_decodes=decodes,
+            max_query_len=max(b - a for a, b in zip(starts, starts[1:], strict=False)), max_context_len=max(lens),
+            num_tokens=num_tokens)
+
+    return [
+        (ids[:6] + ids[3:7], torch.cat([torch.arange(6), torch.arange(4)]),
+         meta(slots(0, range(6)) + slots(1, range(4)), 2, [6, 4], [0, 6, 10], 0)),
+        (ids[6:7] + ids[7:13] + ids[5:10], torch.cat([torch.tensor([6]), torch.arange(4, 10), torch.arange(5)]),
+         meta(slots(0, range(6, 7)) + slots(1, range(4, 10)) + slots(2, range(5)), 3, [7, 10, 5], [0, 1, 7, 12], 1)),
+        (ids[7:8] + ids[13:14] + ids[10:11] + [0] * pad, torch.tensor([7, 10, 5] + [0] * pad),
+         meta(slots(0, range(7, 8)) + slots(1, range(10, 11)) + slots(2, range(5, 6)), 3, [8, 11, 6], [0, 1, 2, 3], 3,
+              3 if pad else None)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("pad", [0, 2])
+def test_the_cpp_layer_loop_gives_the_bits_of_the_modules(tiny_dirs: dict[str, Path], arch: str,
+                                                          dtype: torch.dtype, pad: int) -> None:
+    """Prefill, a mixed step and a (padded) decode: the same hidden states and the same KV cache, bit for
+    bit, from the one C++ call as from the modules (qwen2: the Q/K/V projection has a bias)."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no native bf16 here: the linears are not packed, so there is no C++ loop")
+    lm = load_model(str(tiny_dirs[arch]), dtype=dtype)
+    model = lm.model
+    assert model.stack is not None, "packed linears and the C++ kernels: the layers run as one call"
+    stack = model.stack
+    caches = {"stack": empty_cache(lm, dtype=dtype), "modules": empty_cache(lm, dtype=dtype)}
+    with torch.inference_mode():
+        for ids, pos, meta in three_steps(lm, pad):
+            out = {}
+            for name, kv in caches.items():
+                model.stack = stack if name == "stack" else None
+                out[name] = model(torch.tensor(ids), pos, kv, meta)
+            real = len(ids) - pad
+            assert torch.equal(out["stack"][:real], out["modules"][:real])
+            assert torch.equal(caches["stack"], caches["modules"])
+
+
+def test_the_layers_stay_modules_where_a_piece_has_no_cpp_form(tiny_dirs: dict[str, Path]) -> None:
+    for kw in ({"attention_backend": "torch"}, {"linear_backend": "torch"}):
+        assert load_model(str(tiny_dirs["llama"]), **kw).model.stack is None  # type: ignore[arg-type]
+    lm = load_model(str(tiny_dirs["llama"]))
+    lm.model.model.layers[1].mlp.down_proj.packed = None  # one projection left on F.linear
+    assert not lm.model.fuse_layers()
+    if has_vnni():
+        assert load_model(str(tiny_dirs["llama"]), quantization="int8").model.stack is None

@@ -8,6 +8,7 @@ because on CPU a few large matmuls beat many small ones.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Iterable
 from typing import Any
 
@@ -160,6 +161,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
 
+def _bias(linear: Linear) -> Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
 # HF checkpoint names that land in one of our fused weights: suffix -> (fused suffix, shard index).
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -188,6 +193,9 @@ class LlamaForCausalLM(nn.Module):
                                       config.rope_scaling, device, dtype)
         self.lm_head_packed: Tensor | None = None
         self.lm_head_int8: Int8Weight | None = None
+        self.backend = backend
+        # The layer loop in one C++ call (fuse_layers), or None: the modules below, layer by layer.
+        self.stack: Any = None
 
     def pack_linears(self) -> None:
         """Pack every projection and the LM head (the tied embedding gets a packed copy) for oneDNN.
@@ -198,6 +206,29 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
         self.lm_head_packed = pack_weight(self._lm_head_weight())
+
+    def fuse_layers(self) -> bool:
+        """Run the decoder layers as one call into the C++ kernels from now on (``DecoderStack``: the same
+        ops in the same order, so the same output, without the Python between them), where every piece
+        has its C++ form: the C++ backend, every projection packed for oneDNN, no int8, no tensor
+        parallelism. Call after pack_linears. Returns whether it did; ``stack = None`` goes back."""
+        ext = getattr(self.backend, "ext", None)
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if (ext is None or not hasattr(ext, "DecoderStack") or self.tp is not None
+                or any(m.packed is None or m.int8 is not None for m in linears)):
+            return False
+        layers = []
+        for layer in typing.cast(list[LlamaDecoderLayer], list(self.model.layers)):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(ext.LayerWeights(
+                input_norm=layer.input_layernorm.weight.detach(), qkv=attn.qkv_proj.packed, o=attn.o_proj.packed,
+                post_norm=layer.post_attention_layernorm.weight.detach(), gate_up=mlp.gate_up_proj.packed,
+                down=mlp.down_proj.packed, qkv_bias=_bias(attn.qkv_proj), o_bias=_bias(attn.o_proj),
+                gate_up_bias=_bias(mlp.gate_up_proj), down_bias=_bias(mlp.down_proj)))
+        c = self.layer_config
+        self.stack = ext.DecoderStack(layers, self.model.norm.weight.detach(), self.model.norm.eps, c.num_heads,
+                                      c.num_kv_heads, c.head_dim, c.head_dim**-0.5)
+        return True
 
     def run_linears(self, rows: int) -> None:
         """Every projection and the LM head once on ``rows`` zero rows (timing probes; no other work)."""
@@ -226,6 +257,13 @@ class LlamaForCausalLM(nn.Module):
         """Flattened tokens (decodes first, then prefill chunks) -> final-normed hidden states [T, hidden]."""
         h: Tensor = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
+        if self.stack is not None:
+            meta = attn_metadata
+            starts = None if meta.num_decodes == meta.num_seqs else meta.query_start_loc
+            num_tokens = h.shape[0] if meta.num_tokens is None else meta.num_tokens
+            out: Tensor = self.stack.forward(h, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, starts,
+                                             meta.context_lens, num_tokens)
+            return out
         residual: Tensor | None = None
         for layer in self.model.layers:
             h, residual = layer(h, residual, kv_cache, attn_metadata, cos, sin)

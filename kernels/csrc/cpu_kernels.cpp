@@ -1273,6 +1273,93 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// ---- the decoder layers in one call -------------------------------------------------------------------
+//
+// The model's layer loop as LlamaForCausalLM.forward runs it (engine/model/llama.py), op for op with the
+// same kernels (oneDNN's packed linears through the dispatcher, the ops above), so its output is the same
+// bits; only the Python between the ops is gone. That Python (module calls, views, the bindings) was a
+// fifth of a 32-row bf16 decode step on a 2-core machine, while the second core waited at the next
+// parallel region.
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                            c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+  return op.call(x, weight, bias, "none", c10::List<c10::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+struct LayerWeights {
+  at::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // the projections packed for oneDNN
+  c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<LayerWeights> layers, at::Tensor final_norm, double eps, int64_t num_heads,
+               int64_t num_kv_heads, int64_t head_dim, double scale)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps), num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), scale_(scale) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: a model has at least one layer");
+  }
+
+  // h: the embeddings [T, hidden]; cos, sin [T, D / 2]; kv_cache [layers, 2, blocks, block_size, Hkv, D].
+  // query_start_loc None: every sequence is a one-token decode. num_tokens: the real rows when T is padded
+  // (the rest only keep the GEMM shapes few: attention neither stores nor attends from them).
+  // Returns the final-normed hidden states [T, hidden].
+  at::Tensor forward(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                     const c10::optional<at::Tensor>& query_start_loc, const at::Tensor& context_lens,
+                     int64_t num_tokens) const {
+    TORCH_CHECK(h.dim() == 2 && kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()),
+                "DecoderStack: h [T, hidden] and a kv_cache of one [2, ...] entry per layer");
+    const int64_t t = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const bool padded = num_tokens < t;
+    const int64_t hidden = h.size(1);
+    at::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const LayerWeights& w = layers_[i];
+      if (i == 0) {
+        residual = h;
+        h = at::rms_norm(h, {hidden}, w.input_norm, eps_);
+      } else {
+        fused_add_rms_norm(h, residual, w.input_norm, eps_);
+      }
+      const at::Tensor qkv = packed_linear(h, w.qkv, w.qkv_bias);
+      at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads_ + num_kv_heads_, head_dim_});
+      rotary_embedding(qk, cos, sin);
+      at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
+      at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_});
+      at::Tensor k_cache = kv_cache[static_cast<int64_t>(i)][0], v_cache = kv_cache[static_cast<int64_t>(i)][1];
+      at::Tensor attn;
+      if (padded) {
+        attn = at::empty(q.sizes(), q.options());
+        q = q.narrow(0, 0, num_tokens), k = k.narrow(0, 0, num_tokens), v = v.narrow(0, 0, num_tokens);
+      }
+      write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
+      at::Tensor out = paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale_);
+      if (padded) {
+        attn.narrow(0, 0, num_tokens).copy_(out);
+      } else {
+        attn = out;
+      }
+      h = packed_linear(attn.reshape({t, q_size}), w.o, w.o_bias);
+      fused_add_rms_norm(h, residual, w.post_norm, eps_);
+      h = packed_linear(silu_and_mul(packed_linear(h, w.gate_up, w.gate_up_bias)), w.down, w.down_bias);
+    }
+    fused_add_rms_norm(h, residual, final_norm_, eps_);
+    return h;
+  }
+
+ private:
+  std::vector<LayerWeights> layers_;
+  at::Tensor final_norm_;
+  double eps_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double scale_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1289,5 +1376,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cos"), py::arg("sin"));
   m.def("argmax_rows", &argmax_rows, "Index of each row's maximum (first on ties, first NaN if any), as torch.argmax",
         py::arg("x"));
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                    c10::optional<at::Tensor>, c10::optional<at::Tensor>, c10::optional<at::Tensor>>(),
+           py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"), py::arg("gate_up"),
+           py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"));
+  py::class_<DecoderStack>(m, "DecoderStack")
+      .def(py::init<std::vector<LayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t, double>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
+           py::arg("head_dim"), py::arg("scale"))
+      .def("forward", &DecoderStack::forward, "The decoder layers and the final norm over a step's hidden states",
+           py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"), py::arg("num_tokens"),
+           py::call_guard<py::gil_scoped_release>());
   m.attr("vector_width") = W;
 }
