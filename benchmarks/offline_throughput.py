@@ -53,8 +53,10 @@ max_len run's steps gives the ratio of the two engine runs' GEMM time alone
 Decode-step breakdown (``--breakdown-rows 32,96``): for each batch size, that many workload prompts are
 prefilled, then ``--breakdown-steps`` pure decode steps are timed plain and as many again under
 torch.profiler, with ``record_function`` regions added from here (forward hooks on the model's linear and
-attention modules, wrappers around the LM head and the sampler; the engine itself is not edited). Per
-step: linear (layers + LM head), attention, glue (embedding, norms, rope, silu, residual adds), sampling,
+attention modules, wrappers around the LM head and the sampler; the engine itself is not edited). The hooks
+need the layers run as modules: where the engine runs them as one C++ call (``fuse_layers``), the profiled
+steps, and as many plain ones (``module_step_ms``), run the modules, while ``step_ms`` is the engine's own
+step; the difference is the Python the C++ loop saves. Per step: linear (layers + LM head), attention, glue (embedding, norms, rope, silu, residual adds), sampling,
 python/scheduling (the rest of ``engine.step``), the GEMM floor at that many rows, and the top aten ops.
 
 Every record names the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, amx_bf16, amx_tile), cores,
@@ -371,7 +373,10 @@ def decode_breakdown(prompts: list[list[int]], args: argparse.Namespace, rows: i
                      gemm: GemmTimer) -> dict[str, Any]:
     """Where one decode step of ``rows`` sequences spends its time: ``rows`` workload prompts are prefilled,
     then ``steps`` pure decode steps are timed plain (``step_ms``) and ``steps`` more under torch.profiler
-    with the ``Regions`` above. Parts, in ms per step:
+    with the ``Regions`` above. The regions are forward hooks on the layers' modules, which the C++ layer
+    loop (``LlamaForCausalLM.fuse_layers``) does not call: where the engine runs it, the profiled steps run
+    the modules instead (the same kernels, plus the Python between them), after ``steps`` plain steps of
+    the modules too (``module_step_ms``; ``step_ms`` stays the engine's own step). Parts, in ms per step:
       linear    the decoder layers' linear modules plus the LM head (``lm_head_ms`` is the head alone)
       attention the PagedAttention modules (KV cache write + paged decode attention)
       glue      the rest of the forward pass: embedding, RMS norms, rope, silu * up, residual adds, views
@@ -381,7 +386,7 @@ def decode_breakdown(prompts: list[list[int]], args: argparse.Namespace, rows: i
     chosen = [prompts[i % len(prompts)] for i in range(rows)]
     # The first sequences decode while the last ones prefill: no sequence may finish before the timed steps end.
     prefill_steps = -(-sum(len(p) for p in chosen) // args.max_num_batched_tokens) + 2
-    max_tokens = prefill_steps + 2 * steps + 8
+    max_tokens = prefill_steps + 3 * steps + 8
     blocks_per_seq = -(-(max(len(p) for p in chosen) + max_tokens) // 16) + 1
     engine = LLMEngine.from_args(
         dtype=args.dtype, num_kv_blocks=rows * blocks_per_seq + 16, max_num_seqs=rows,
@@ -412,16 +417,24 @@ def decode_breakdown(prompts: list[list[int]], args: argparse.Namespace, rows: i
             break
     else:
         raise RuntimeError(f"{rows} sequences never reached a pure decode step")
-    decode_step()  # warm-up: the first pure-decode shape may take first-call paths
-    start = time.perf_counter()
-    for _ in range(steps):
-        decode_step()
-    step_ms = (time.perf_counter() - start) / steps * 1e3
+    def timed_ms() -> float:
+        decode_step()  # warm-up: the first pure-decode shape may take first-call paths
+        start = time.perf_counter()
+        for _ in range(steps):
+            decode_step()
+        return (time.perf_counter() - start) / steps * 1e3
+
+    model = engine.runner.model
+    stack = model.stack
+    step_ms = timed_ms()
+    model.stack = None  # the profiled steps, and their plain twin, run the modules
+    module_step_ms = timed_ms() if stack is not None else step_ms
     Regions(engine)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             with record_function("bench::step"):
                 decode_step()
+    model.stack = stack
     averages = prof.key_averages()
     ms = {e.key.removeprefix("bench::"): e.cpu_time_total / 1e3 / steps for e in averages
           if e.key.startswith("bench::")}
@@ -433,6 +446,7 @@ def decode_breakdown(prompts: list[list[int]], args: argparse.Namespace, rows: i
         "rows": rows,
         "context_mean": round(sum(contexts) / rows + 2 * steps, 1),
         "step_ms": round(step_ms, 2),
+        "module_step_ms": round(module_step_ms, 2),
         "profiled_step_ms": round(part["step"], 2),
         "linear_ms": round(part["linear"] + part["lm_head"], 2),
         "lm_head_ms": round(part["lm_head"], 2),
@@ -451,8 +465,10 @@ def breakdown_line(b: dict[str, Any]) -> str:
         ("linear", "linear_ms"), ("attention", "attention_ms"), ("glue", "glue_ms"), ("sampling", "sampling_ms"),
         ("python/scheduling", "python_ms")))
     ops = ", ".join(f"{k} {v:.1f}" for k, v in b["top_ops_self_ms"].items())
-    return (f"decode step, {b['rows']} rows, contexts ~{b['context_mean']:.0f} tokens: {b['step_ms']:.1f} ms "
-            f"({b['profiled_step_ms']:.1f} ms profiled): {parts}; LM head {b['lm_head_ms']:.1f} ms of linear; "
+    modules = (f", {b['module_step_ms']:.1f} ms with the layers as modules" if b["module_step_ms"] != b["step_ms"]
+               else "")
+    return (f"decode step, {b['rows']} rows, contexts ~{b['context_mean']:.0f} tokens: {b['step_ms']:.1f} ms{modules} "
+            f"({b['profiled_step_ms']:.1f} ms profiled, as modules): {parts}; LM head {b['lm_head_ms']:.1f} ms of linear; "
             f"GEMM floor (the same linear modules alone) {b['gemm_floor_ms']:.1f} ms\n"
             f"  top aten ops by self time, ms/step: {ops}")
 
