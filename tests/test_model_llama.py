@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.loader import LoadedModel, load_model
 from engine.model.attention import AttentionMetadata, prefill_metadata
+from engine.model.linear import Linear
 from engine.model.quant import has_vnni
 from engine.model.testing import make_tiny_model_dir
 
@@ -184,6 +185,10 @@ def real_model() -> LoadedModel:
 @pytest.mark.integration
 def test_real_gguf_model_matches_transformers(real_model: LoadedModel) -> None:
     lm = real_model
+    # Through the C++ layer loop where it builds (packed linears, the C++ kernels), as the engine runs it.
+    assert (lm.model.stack is not None) == (lm.model.backend.name == "cpu"
+                                            and all(m.packed is not None for m in lm.model.modules()
+                                                    if isinstance(m, Linear)))
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three primary colors, briefly."}])
     meta, pos = prefill_metadata([len(ids)], 16)
     kv = torch.zeros(lm.config.num_layers, 2, 8, 16, lm.config.num_kv_heads, lm.config.head_dim)
