@@ -56,12 +56,13 @@ torch.profiler, with ``record_function`` regions added from here (forward hooks 
 attention modules, wrappers around the LM head and the sampler; the engine itself is not edited). The hooks
 need the layers run as modules: where the engine runs them as one C++ call (``fuse_layers``), the profiled
 steps, and as many plain ones (``module_step_ms``), run the modules, while ``step_ms`` is the engine's own
-step; the difference is the Python the C++ loop saves. Per step: linear (layers + LM head), attention, glue (embedding, norms, rope, silu, residual adds), sampling,
-python/scheduling (the rest of ``engine.step``), the GEMM floor at that many rows, and the top aten ops.
+step; the difference is the Python the C++ loop saves. Per step: linear (layers + LM head), attention,
+glue (embedding, norms, rope, silu, residual adds), sampling, python/scheduling (the rest of
+``engine.step``), the GEMM floor at that many rows, and the top aten ops.
 
-Every record names the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, amx_bf16, amx_tile), cores,
-torch version, commit (``-dirty`` if tracked files differ) and the load averages before and after (a loud
-warning when the 1-min load at the start is > 0.5: another process is using the cores).
+Every record names the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_vnni, amx_bf16,
+amx_tile), cores, torch version, commit (``-dirty`` if tracked files differ) and the load averages before
+and after (a loud warning when the 1-min load at the start is > 0.5: another process is using the cores).
 
 Usage: python benchmarks/offline_throughput.py [--dtype auto|float32|bfloat16] [--num-prompts 200]
            [--max-tokens 128] [--hf-prompts 96] [--skip-hf] [--skip-max-len] [--breakdown-rows 32,96]

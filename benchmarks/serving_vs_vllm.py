@@ -30,9 +30,9 @@ engine offline
 engine process boundary cost at that load.
 
 Record: every run writes ``benchmarks/results/serving_vs_vllm_<UTC stamp>/`` with ``summary.md`` and
-``record.json`` naming the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, amx_bf16, amx_tile), cores,
-torch and vLLM versions, our commit (``-dirty`` if tracked files differ), the settings, and the load averages
-before and after each run (a loud warning when the 1-min load before the servers start is > 0.5: numbers
+``record.json`` naming the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_vnni, amx_bf16,
+amx_tile), cores, torch and vLLM versions, our commit (``-dirty`` if tracked files differ), the settings, and
+the load averages before and after each run (a loud warning when the 1-min load before the servers start is > 0.5: numbers
 taken on a busy machine are not comparable; within the rounds the load is the runs' own). Before the servers
 start, and before each extra variant's server, the script waits up to ``--settle-s`` (150 s) for the 1-min
 load to fall to 0.5.

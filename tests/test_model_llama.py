@@ -260,5 +260,9 @@ def test_the_layers_stay_modules_where_a_piece_has_no_cpp_form(tiny_dirs: dict[s
     lm = load_model(str(tiny_dirs["llama"]))
     lm.model.model.layers[1].mlp.down_proj.packed = None  # one projection left on F.linear
     assert not lm.model.fuse_layers()
+    lm = load_model(str(tiny_dirs["llama"]))
+    assert lm.model.stack is not None
+    lm.model.pack_linears()  # new packs: the loop built on the old ones is dropped, not kept stale
+    assert lm.model.stack is None and lm.model.fuse_layers()
     if has_vnni():
         assert load_model(str(tiny_dirs["llama"]), quantization="int8").model.stack is None

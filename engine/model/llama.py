@@ -202,6 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
         Call after load_weights, once the weights are final.
         """
+        self.stack = None  # built on the packs it replaces: fuse_layers again after
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
@@ -245,6 +246,7 @@ class LlamaForCausalLM(nn.Module):
         The head stays in the model's dtype by default: int8 there moved the next-token distributions
         further from float32's (mean KL 0.038 -> 0.042 nats, benchmarks/quantization_accuracy.py).
         """
+        self.stack = None  # its packed projections are dropped: int8 runs module by module
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantize(kernel)
