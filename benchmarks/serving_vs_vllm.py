@@ -201,6 +201,31 @@ def kv_cache_gib(dtype: str, max_num_seqs: int = MAX_NUM_SEQS, max_model_len: in
     return max(1, math.ceil(per_token * max_num_seqs * max_model_len * KV_HEADROOM / 2**30))
 
 
+def mem_available_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+# What each process holds besides its KV cache (weights, packed copies, the runtime), generously.
+PROCESS_GIB = 2.0
+
+
+def fitting_kv_gib(wanted: int, available_gib: float | None, caches: int = 3) -> int:
+    """``wanted``, or less where ``caches`` KV caches (both servers, up together, and the offline run beside
+    them) and their processes would not fit in the memory available: on a 24 GiB machine three float32 caches
+    sized by ``kv_cache_gib`` (8 GiB each) do not, and vLLM refuses to start. The workloads' sequences stay
+    far shorter than ``MAX_MODEL_LEN`` (at most a few hundred tokens a turn), so a smaller cache still holds
+    every running sequence; both servers get the same size either way."""
+    if available_gib is None:
+        return wanted
+    return max(1, min(wanted, math.floor((available_gib - caches * PROCESS_GIB) / caches)))
+
+
 def ours_dtype(requested: str) -> tuple[str, list[str]]:
     """(the dtype our server will run, the ``chatsvc serve`` flags that get it). With ``auto`` and a CLI whose
     default is ``auto``, no flag at all; the resolved name comes from the engine's own resolver when it knows
@@ -533,7 +558,11 @@ def main() -> int:
         return 0
 
     dtype, dtype_flags = ours_dtype(a.dtype)
-    kv_gib = kv_cache_gib(dtype)
+    kv_wanted = kv_cache_gib(dtype)
+    kv_gib = fitting_kv_gib(kv_wanted, mem_available_gib())
+    if kv_gib < kv_wanted:
+        log(f"KV cache {kv_gib} GiB each instead of {kv_wanted}: three of {kv_wanted} GiB do not fit in this "
+            f"machine's available memory")
     preload, preload_missing = vllm_preload()
     for lib in preload_missing:
         log(f"WARNING: not found for vLLM's LD_PRELOAD: {lib}; vLLM runs slower without it")
@@ -542,7 +571,8 @@ def main() -> int:
     out = a.out / f"serving_vs_vllm_{stamp}{'_quick' if a.quick else ''}"
     out.mkdir(parents=True, exist_ok=True)
     settings = {
-        "dtype": dtype, "dtype_requested": a.dtype, "kv_cache_gib": kv_gib, "max_num_seqs": MAX_NUM_SEQS,
+        "dtype": dtype, "dtype_requested": a.dtype, "kv_cache_gib": kv_gib, "kv_cache_gib_sized": kv_wanted,
+        "max_num_seqs": MAX_NUM_SEQS,
         "max_model_len": MAX_MODEL_LEN, "vllm_ld_preload": preload, "vllm_ld_preload_missing": preload_missing,
         "vllm_env": {"VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
         "ours_dtype_flags": dtype_flags, "seed": a.seed, "quick": a.quick, "settle_s": a.settle_s,
