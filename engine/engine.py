@@ -30,7 +30,7 @@ from engine.model.linear import onednn_supports
 from engine.model.parallel import TensorParallel
 from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
-from engine.runner import ModelRunner, kv_bytes_per_block
+from engine.runner import ModelRunner, kv_bytes_per_block, kv_pool
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.scheduler import PreemptionCosts, QueueFullError, Scheduler
 from engine.threads import ThreadGovernor
@@ -105,8 +105,8 @@ def measure_swap(runner: ModelRunner, num_blocks: int = 8, repeats: int = 3) -> 
     shape between scratch device and CPU pools, out and back ``repeats`` times after one warm-up."""
     shape = (*runner.kv_cache.shape[:2], num_blocks, *runner.kv_cache.shape[3:])
     dtype = runner.kv_cache.dtype
-    device_pool = torch.zeros(shape, dtype=dtype, device=runner.device)
-    cpu_pool = torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=runner.device.type == "cuda")
+    device_pool = kv_pool(shape, dtype, runner.device)
+    cpu_pool = kv_pool(shape, dtype, "cpu", pin_memory=runner.device.type == "cuda")
     mapping = torch.arange(num_blocks, dtype=torch.int64).repeat(2, 1).T.contiguous()
     runner.backend.swap_blocks(device_pool, cpu_pool, mapping)
     _synchronize(runner.device)

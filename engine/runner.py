@@ -31,6 +31,23 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
 
 
+def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False) -> Tensor:
+    """Zeros of the kernels' KV shape ``[layers, 2, blocks, block_size, Hkv, D]``, stored head-major within each
+    block (``[..., Hkv, block_size, D]`` in memory) and returned as that shape's view.
+
+    A decode work item reads one KV head of one sequence. Token-major, that head's rows of a block are
+    ``block_size`` runs of D values with the other heads' rows between them, which the hardware prefetchers
+    fetch too; head-major they are one run (4 KiB for SmolLM2 in float32). The kernels address the cache
+    through its strides, so the view is all they see. Whole blocks stay one piece of memory for the block
+    copies and swaps (the CPU pool has the same layout). Measured on a 2-core Zen 3 EPYC, float32, a 30-layer
+    decode step's C++ attention: 1.27x (32 sequences) to 1.40x (64) faster than token-major.
+    """
+    layers, kv, blocks, block_size, heads, dim = shape
+    storage = torch.zeros((layers, kv, blocks, heads, block_size, dim), dtype=dtype, device=device,
+                          pin_memory=pin_memory)
+    return storage.transpose(3, 4)
+
+
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -125,10 +142,9 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()
         per_block = (block_size, config.num_kv_heads, config.head_dim)
-        shape = (config.num_layers, 2, cache.num_device_blocks, *per_block)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        cpu_shape = (config.num_layers, 2, cache.num_cpu_blocks, *per_block)
-        self.cpu_cache = torch.zeros(cpu_shape, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+        self.kv_cache = kv_pool((config.num_layers, 2, cache.num_device_blocks, *per_block), dtype, device)
+        self.cpu_cache = kv_pool((config.num_layers, 2, cache.num_cpu_blocks, *per_block), dtype, "cpu",
+                                 pin_memory=device.type == "cuda")
         self.block_tables = BlockTables()
         # Packed (oneDNN) linears pay for every new row count; F.linear and GPU GEMMs do not.
         self.pad_rows = model.lm_head_packed is not None

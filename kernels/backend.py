@@ -33,7 +33,9 @@ class ModelOps:
 
 class AttentionBackend(Protocol):
     """Paged attention over a KV cache of ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer and
-    K/V, the block moves the scheduler plans, and the model's elementwise ops."""
+    K/V, the block moves the scheduler plans, and the model's elementwise ops. Caches are addressed through
+    their strides (the head dimension contiguous, each block one dense run of memory): the engine's pools
+    are that shape's view of head-major blocks (``engine.runner.kv_pool``), tests also pass contiguous ones."""
 
     @property
     def name(self) -> str: ...

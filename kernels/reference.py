@@ -45,11 +45,17 @@ def _gather_context(cache: Tensor, block_table: Tensor) -> Tensor:
     (``cache[table]``) goes element-strided and was ~5x slower on CPU, where this gather is most of
     decode attention's cost.
     """
-    if not cache.is_contiguous():  # reshape would copy the whole pool
-        return cache[block_table].flatten(-4, -3)
     num_blocks, block_size = cache.shape[0], cache.shape[1]
-    rows = cache.view(num_blocks, -1).index_select(0, block_table.reshape(-1))
-    return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[2:])
+    flat = block_table.reshape(-1)
+    if cache.is_contiguous():
+        rows = cache.view(num_blocks, -1).index_select(0, flat)
+        return rows.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, *cache.shape[2:])
+    head_major = cache.transpose(1, 2)  # the engine's pools (engine.runner.kv_pool): [blocks, Hkv, block_size, D]
+    if head_major.is_contiguous():
+        rows = head_major.reshape(num_blocks, -1).index_select(0, flat).view(-1, *head_major.shape[1:])
+        return rows.transpose(1, 2).contiguous().view(*block_table.shape[:-1], block_table.shape[-1] * block_size,
+                                                      *cache.shape[2:])
+    return cache[block_table].flatten(-4, -3)  # any other strides: reshape would copy the whole pool
 
 
 @functools.lru_cache(maxsize=16)  # one per decode bucket of a step

@@ -554,7 +554,11 @@ def copy_blocks(kv_cache: Tensor, block_mapping: Tensor) -> None:
         return
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     block_numel = block_size * num_kv_heads * head_dim
-    assert kv_cache[0, 0, 0].is_contiguous(), "each block must be contiguous"
+    block = kv_cache[0, 0, 0]
+    # Whole blocks are copied as runs of memory: any order of a block's dims (engine.runner.kv_pool stores
+    # them head-major), as long as the block is dense.
+    assert block.permute(sorted(range(block.dim()), key=block.stride, reverse=True)).is_contiguous(), \
+        "each block must be one dense run of memory"
     mapping = block_mapping.to(device=kv_cache.device, dtype=torch.int64).contiguous()
     _copy_blocks_kernel[(mapping.shape[0], num_layers * 2)](
         kv_cache,

@@ -16,7 +16,7 @@ from engine.model.linear import SLOW_ROWS, probe_slow_rows
 from engine.model.testing import make_tiny_model_dir
 from engine.plan import ScheduledSeq
 from engine.request import SamplingParams, SequenceGroup
-from engine.runner import BlockTables
+from engine.runner import BlockTables, kv_pool
 
 
 def _item(group: SequenceGroup, start: int, blocks: list[int]) -> ScheduledSeq:
@@ -143,3 +143,19 @@ def test_probe_finds_a_band_only_where_padding_wins() -> None:
     assert probe(0.025, 0.0245) == SLOW_ROWS  # no slower: padded, in case the band turns slow later
     assert probe(0.025, 0.0255) is None  # 33 rows costs more: left alone
     assert probe(0.025, 0.030) is None
+
+
+def test_kv_pools_are_head_major_blocks_seen_token_major(tmp_path: Path) -> None:
+    """The runner's pools (device and CPU swap space) have the kernels' shape [layers, 2, blocks, block_size,
+    Hkv, D]; in memory each block holds one KV head's rows after another (a decode reads one head), and is one
+    dense run, so whole-block copies and swaps move it in one piece."""
+    pool = kv_pool((2, 2, 5, 16, 3, 8), torch.float32, "cpu")
+    assert pool.shape == (2, 2, 5, 16, 3, 8) and not pool.any()
+    assert pool.stride() == (2 * 5 * 3 * 16 * 8, 5 * 3 * 16 * 8, 3 * 16 * 8, 8, 16 * 8, 1)
+    pool[1, 0, 2, 5, 1, 0] = 1.0  # token 5 of block 2, KV head 1: head 1's run starts 16 rows into the block
+    assert pool.transpose(3, 4).contiguous().view(-1).nonzero().item() == ((1 * 2 + 0) * 5 + 2) * 3 * 16 * 8 + (
+        1 * 16 + 5) * 8
+    engine = LLMEngine.from_args(str(make_tiny_model_dir(tmp_path)), dtype="float32", num_kv_blocks=16,
+                                 swap_space_mb=1)
+    for cache in (engine.runner.kv_cache, engine.runner.cpu_cache):
+        assert cache.shape[4] > 1 and cache.transpose(3, 4).is_contiguous() and not cache.is_contiguous()

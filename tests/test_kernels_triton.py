@@ -204,6 +204,13 @@ def test_copy_blocks_matches_reference(gen: torch.Generator) -> None:
     reference.copy_blocks(expected, mapping)
     assert torch.equal(kv, expected)
     assert torch.equal(kv[:, :, 5], kv[:, :, 1]) and torch.equal(kv[:, :, 0], kv[:, :, 6])
+    head_major = kv.transpose(3, 4).contiguous().transpose(3, 4)  # the engine's pools (engine.runner.kv_pool)
+    again = torch.tensor([[2, 3]], device=DEVICE)
+    tk.copy_blocks(head_major, again)
+    reference.copy_blocks(kv, again)
+    assert torch.equal(head_major, kv)
+    with pytest.raises(AssertionError, match="dense"):
+        tk.copy_blocks(kv[:, :, :, :, :2], again)  # two of three heads: a block with holes
 
 
 def test_swap_blocks_roundtrip(gen: torch.Generator) -> None:

@@ -70,9 +70,11 @@ def swap_seconds(engine: Any, block_size: int, num_blocks: int, repeats: int) ->
     """Best round trip (out, then in) of ``num_blocks`` blocks of ``block_size`` tokens in the model's KV shape."""
     import torch
 
+    from engine.runner import kv_pool
+
     shape = (*engine.runner.kv_cache.shape[:2], num_blocks, block_size, *engine.runner.kv_cache.shape[4:])
-    device_pool = torch.zeros(shape, dtype=engine.runner.kv_cache.dtype)
-    cpu_pool = torch.zeros(shape, dtype=engine.runner.kv_cache.dtype)
+    device_pool = kv_pool(shape, engine.runner.kv_cache.dtype, "cpu")
+    cpu_pool = kv_pool(shape, engine.runner.kv_cache.dtype, "cpu")
     mapping = torch.arange(num_blocks, dtype=torch.int64).repeat(2, 1).T.contiguous()
     swap = engine.runner.backend.swap_blocks
     swap(device_pool, cpu_pool, mapping)
