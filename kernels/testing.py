@@ -6,6 +6,7 @@ through a shuffled block table, so an oracle can work on the dense copy while ke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -130,3 +131,14 @@ def naive_attention(problem: PagedProblem) -> Tensor:
                 out[row, h] = p @ v
             row += 1
     return out
+
+
+def head_major(cache: Tensor) -> Tensor:
+    """The values of ``cache`` (``[..., blocks, block_size, Hkv, D]``: one layer's K or V, or a whole pool) in the
+    memory layout of the engine's pools (``engine.runner.kv_pool``): each block's KV heads one after another."""
+    return cache.transpose(-3, -2).contiguous().transpose(-3, -2)
+
+
+def as_head_major(problem: PagedProblem) -> PagedProblem:
+    """``problem`` with its caches stored as the engine stores its pools."""
+    return dataclasses.replace(problem, k_cache=head_major(problem.k_cache), v_cache=head_major(problem.v_cache))

@@ -7,7 +7,6 @@ it read a slot it should not have. The reference needs finite garbage there, so 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 import kernels
 from kernels import cpu_kernels, reference
-from kernels.testing import PagedProblem, make_problem, naive_attention
+from kernels.testing import PagedProblem, as_head_major, head_major, make_problem, naive_attention
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -217,22 +216,17 @@ def test_auto_backend_is_cpu_and_falls_back_to_torch(monkeypatch: pytest.MonkeyP
 OPS_TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
-def _head_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same values as ``cache`` [blocks, block_size, Hkv, D], stored as the engine stores its pools."""
-    return cache.transpose(1, 2).contiguous().transpose(1, 2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_major_caches_give_the_same_bits(isa: str, gen: torch.Generator, dtype: torch.dtype) -> None:
     """The engine's pools are views of head-major blocks (engine.runner.kv_pool): decode and prefill read them
     through their strides, with the same output, bit for bit, as from token-major caches."""
     p = make_problem([1, 37, 300], [1, 20, 64], block_size=16, num_kv_heads=3, group=3, dtype=dtype,
                      generator=gen)
-    hm = dataclasses.replace(p, k_cache=_head_major(p.k_cache), v_cache=_head_major(p.v_cache))
+    hm = as_head_major(p)
     assert not hm.k_cache.is_contiguous() and hm.k_cache.transpose(1, 2).is_contiguous()
     assert torch.equal(_prefill(hm), _prefill(p))
     d = make_problem([1, 16, 17, 300], block_size=16, num_kv_heads=3, group=3, dtype=dtype, generator=gen)
-    d_hm = dataclasses.replace(d, k_cache=_head_major(d.k_cache), v_cache=_head_major(d.v_cache))
+    d_hm = as_head_major(d)
     out = _decode(d_hm)
     assert torch.equal(out, _decode(d))
     _check(d_hm, out, dtype)
@@ -251,10 +245,10 @@ def test_write_kv_cache_matches_reference(isa: str, gen: torch.Generator, dtype:
     reference.write_kv_cache(key, value, expected[1, 0], expected[1, 1], slots)
     cpu_kernels.CpuKernels().write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)
     torch.testing.assert_close(kv, expected, atol=0, rtol=0)
-    head_major = kv.transpose(3, 4).contiguous().transpose(3, 4)  # the engine's pools (engine.runner.kv_pool)
-    cpu_kernels.CpuKernels().write_kv_cache(key * 2, value * 2, head_major[0, 0], head_major[0, 1], slots)
+    hm = head_major(kv)  # the engine's pools (engine.runner.kv_pool)
+    cpu_kernels.CpuKernels().write_kv_cache(key * 2, value * 2, hm[0, 0], hm[0, 1], slots)
     reference.write_kv_cache(key * 2, value * 2, expected[0, 0], expected[0, 1], slots)
-    torch.testing.assert_close(head_major, expected, atol=0, rtol=0)
+    torch.testing.assert_close(hm, expected, atol=0, rtol=0)
     slots[0] = num_blocks * block_size
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_kernels.CpuKernels().write_kv_cache(key, value, kv[1, 0], kv[1, 1], slots)

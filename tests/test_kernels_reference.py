@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 import kernels
 from kernels import reference
-from kernels.testing import make_problem, naive_attention
+from kernels.testing import as_head_major, head_major, make_problem, naive_attention
 
 # Unwritten slots hold a large finite value: any unmasked read of one changes the result visibly.
 GARBAGE = 50.0
@@ -162,27 +160,23 @@ def test_swap_blocks_between_pools(gen: torch.Generator) -> None:
 def test_head_major_pools_read_write_and_move_as_token_major(gen: torch.Generator) -> None:
     """The engine's pools are views of head-major blocks (engine.runner.kv_pool); the reference reads, writes,
     copies and swaps them through that view with the same results as on token-major pools."""
-    p = kernels.testing.make_problem([1, 40, 17], [1, 12, 17], num_kv_heads=3, group=3, fill=0.0, generator=gen)
-    hm = dataclasses.replace(p, k_cache=p.k_cache.transpose(1, 2).contiguous().transpose(1, 2),
-                             v_cache=p.v_cache.transpose(1, 2).contiguous().transpose(1, 2))
-    assert torch.equal(_prefill(hm), _prefill(p))
-    d = kernels.testing.make_problem([1, 16, 33], num_kv_heads=3, group=3, fill=0.0, generator=gen)
-    d_hm = dataclasses.replace(d, k_cache=d.k_cache.transpose(1, 2).contiguous().transpose(1, 2),
-                               v_cache=d.v_cache.transpose(1, 2).contiguous().transpose(1, 2))
-    assert torch.equal(_decode(d_hm), _decode(d))
+    p = make_problem([1, 40, 17], [1, 12, 17], num_kv_heads=3, group=3, fill=0.0, generator=gen)
+    assert torch.equal(_prefill(as_head_major(p)), _prefill(p))
+    d = make_problem([1, 16, 33], num_kv_heads=3, group=3, fill=0.0, generator=gen)
+    assert torch.equal(_decode(as_head_major(d)), _decode(d))
     pool = torch.randn(2, 2, 6, 4, 3, 8, generator=gen)
-    head_major = pool.transpose(3, 4).contiguous().transpose(3, 4)
+    hm = head_major(pool)
     mapping = torch.tensor([[1, 2], [2, 4], [0, 5]])
     reference.copy_blocks(pool, mapping)
-    reference.copy_blocks(head_major, mapping)
-    assert torch.equal(head_major, pool)
-    host = torch.zeros(2, 2, 3, 4, 3, 8).transpose(3, 4).contiguous().transpose(3, 4)
-    reference.swap_blocks(head_major, host, torch.tensor([[4, 0], [1, 2]]))
+    reference.copy_blocks(hm, mapping)
+    assert torch.equal(hm, pool)
+    host = head_major(torch.zeros(2, 2, 3, 4, 3, 8))
+    reference.swap_blocks(hm, host, torch.tensor([[4, 0], [1, 2]]))
     assert torch.equal(host[:, :, 0], pool[:, :, 4]) and torch.equal(host[:, :, 2], pool[:, :, 1])
     key = torch.randn(3, 3, 8, generator=gen)
-    reference.write_kv_cache(key, -key, head_major[1, 0], head_major[1, 1], torch.tensor([0, 9, 23]))
-    assert torch.equal(head_major[1, 0].reshape(-1, 3, 8)[[0, 9, 23]], key)
-    assert torch.equal(head_major[1, 1].reshape(-1, 3, 8)[[0, 9, 23]], -key)
+    reference.write_kv_cache(key, -key, hm[1, 0], hm[1, 1], torch.tensor([0, 9, 23]))
+    assert torch.equal(hm[1, 0].reshape(-1, 3, 8)[[0, 9, 23]], key)
+    assert torch.equal(hm[1, 1].reshape(-1, 3, 8)[[0, 9, 23]], -key)
 
 
 def test_get_backend() -> None:

@@ -20,7 +20,7 @@ import triton
 import kernels
 from kernels import reference
 from kernels import triton_kernels as tk
-from kernels.testing import PagedProblem, make_problem
+from kernels.testing import PagedProblem, head_major, make_problem
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,11 +204,11 @@ def test_copy_blocks_matches_reference(gen: torch.Generator) -> None:
     reference.copy_blocks(expected, mapping)
     assert torch.equal(kv, expected)
     assert torch.equal(kv[:, :, 5], kv[:, :, 1]) and torch.equal(kv[:, :, 0], kv[:, :, 6])
-    head_major = kv.transpose(3, 4).contiguous().transpose(3, 4)  # the engine's pools (engine.runner.kv_pool)
+    hm = head_major(kv)  # the engine's pools (engine.runner.kv_pool)
     again = torch.tensor([[2, 3]], device=DEVICE)
-    tk.copy_blocks(head_major, again)
+    tk.copy_blocks(hm, again)
     reference.copy_blocks(kv, again)
-    assert torch.equal(head_major, kv)
+    assert torch.equal(hm, kv)
     with pytest.raises(AssertionError, match="dense"):
         tk.copy_blocks(kv[:, :, :, :, :2], again)  # two of three heads: a block with holes
 
