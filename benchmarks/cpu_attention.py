@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import statistics
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kernels import cpu_kernels, reference  # noqa: E402
+from kernels.testing import head_major  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import machine  # noqa: E402
@@ -71,7 +73,8 @@ def prefill_problem(batch: int, new: int, prefix: int, dtype: torch.dtype,
 
 
 def paged(lens: torch.Tensor, batch: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """A shuffled pool holding ``lens`` tokens per sequence, and one query token per sequence."""
+    """A shuffled pool holding ``lens`` tokens per sequence, stored head-major as the engine's pools are
+    (``engine.runner.kv_pool``), and one query token per sequence."""
     blocks = [(int(n) + BLOCK_SIZE - 1) // BLOCK_SIZE for n in lens]
     pool = sum(blocks) + 64
     order = torch.randperm(pool, generator=gen).to(torch.int32)
@@ -80,22 +83,25 @@ def paged(lens: torch.Tensor, batch: int, dtype: torch.dtype, gen: torch.Generat
     for i, n in enumerate(blocks):
         tables[i, :n] = order[used: used + n]
         used += n
-    k_cache = torch.randn(pool, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
-    v_cache = torch.randn(pool, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k_cache = head_major(torch.randn(pool, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
+    v_cache = head_major(torch.randn(pool, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype))
     query = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, generator=gen).to(dtype)
     return query, k_cache, v_cache, tables, lens
 
 
 def turns_ms(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """Median ms of each of ``fns``, called in turns (one call of each per round, after a warm-up call). The
-    round's first side rotates: a side called right after another finds that one's data in the caches (the
-    larger pools here fill L3), so a fixed order would favour whoever follows the kernel sharing its pool."""
+    """Median ms of each of ``fns``, called in turns (one call of each per round, after a warm-up call). A side
+    called right after another finds that one's data in the caches (the decode pools here fit in L3), so the
+    rounds go through every order of the sides: each side follows each other one equally often. (Rotating
+    the first side alone kept the cycle, so with three sides the base build always ran right after the
+    C++ kernel had loaded the pool and the reference never did.)"""
     times: list[list[float]] = [[] for _ in fns]
     for fn in fns:
         fn()
-    for r in range(reps * len(fns)):
-        order = range(r % len(fns), r % len(fns) + len(fns))
-        for i in (j % len(fns) for j in order):
+    orders = list(itertools.permutations(range(len(fns))))
+    rounds = max(reps * len(fns), len(orders)) // len(orders) * len(orders)
+    for r in range(rounds):
+        for i in orders[r % len(orders)]:
             start = time.perf_counter()
             fns[i]()
             times[i].append(time.perf_counter() - start)
