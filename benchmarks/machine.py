@@ -20,6 +20,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 # The flags that decide which matmul and attention paths a CPU gets (vLLM's and ours).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+# Settings that cap the instruction set below what the CPU has (to run the AVX2 paths on an AVX-512 machine):
+# a record made under any of them says so.
+ISA_CAPS = ("CHATSVC_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 # Above this 1-minute load average before a run, something else is using a core.
 BUSY_LOAD = 0.5
 
@@ -133,11 +136,13 @@ class Machine:
 
 
 def describe(**extra: Any) -> Machine:
-    """This machine and checkout; ``extra`` adds fields (e.g. ``vllm="0.32.0"``)."""
+    """This machine and checkout; ``extra`` adds fields (e.g. ``vllm="0.32.0"``), and ``isa_caps`` any ISA_CAPS
+    set in the environment."""
     import platform
 
+    caps = " ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
     return Machine(cpu_model(), isa_flags(), cores(), torch_version(), commit(), platform.python_version(),
-                   platform.node(), dict(extra))
+                   platform.node(), {**({"isa_caps": caps} if caps else {}), **extra})
 
 
 def warn_if_busy(label: str, load: tuple[float, float, float]) -> None:
