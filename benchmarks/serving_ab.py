@@ -15,8 +15,8 @@ Both sides load the HF directory serving_vs_vllm.py converts (``--prepare-only``
 Usage: python benchmarks/serving_ab.py [--env VAR=VALUE[,...]] [--flags='--FLAG ...'] [--workloads 32,64]
            [--rounds 3] [--dtype auto] [--output FILE]
 Last line: one JSON object {"env": {...}, "flags": [...], "workload_<k>": {"base_tok_s", "variant_tok_s",
-"variant_over_base", "ratio_rounds", "base_tpot_p50", "variant_tpot_p50", "base_ttft_p50",
-"variant_ttft_p50"}, "rounds", "cpu", "isa", "cores", "commit", "torch", "dtype", "load_before",
+"variant_over_base", "ratio_rounds", "base_tok_s_rounds", "variant_tok_s_rounds", "base_tpot_p50",
+"variant_tpot_p50", "base_ttft_p50", "variant_ttft_p50"}, "rounds", "cpu", "isa", "cores", "commit", "torch", "dtype", "load_before",
 "load_after"} (tok/s and latencies: medians over rounds, latencies in ms).
 """
 
@@ -58,6 +58,10 @@ def field(result: dict[str, Any], name: str) -> float | None:
     return None if value is None else float(value)
 
 
+def fmt(values: list[float | None]) -> str:
+    return "[" + ", ".join("-" if v is None else f"{v:.1f}" for v in values) + "]"
+
+
 def med(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return round(statistics.median(known), 2) if known else None
@@ -76,6 +80,8 @@ def summarize(runs: list[dict[str, dict[str, Any]]], key: str) -> dict[str, Any]
         out[f"{side}_ttft_p50"] = med([field(r[side], "ttft_ms") for r in runs])
     out["variant_over_base"] = med(per_round)
     out["ratio_rounds"] = per_round
+    for side in SIDES:
+        out[f"{side}_tok_s_rounds"] = [field(r[side], "output_tok_s") for r in runs]
     return out
 
 
@@ -133,7 +139,9 @@ def main() -> None:
     lines = [f"# {datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}  commit {host.commit}  command: python {' '.join(sys.argv)}",
              f"machine: {host.line()}; dtype {dtype}; load avg at start {' '.join(map(str, load_before))}",
              *(f"workload {key} ({sv.WORKLOADS[key]['title']}): tok/s base {s['base_tok_s']}, variant ({variant}) "
-               f"{s['variant_tok_s']}; variant / base per round {s['ratio_rounds']}, median {s['variant_over_base']}"
+               f"{s['variant_tok_s']} (medians; per round {fmt(s['base_tok_s_rounds'])} and "
+               f"{fmt(s['variant_tok_s_rounds'])}); variant / base per round {s['ratio_rounds']}, median "
+               f"{s['variant_over_base']}"
                for key in keys if (s := summary[f"workload_{key}"])),
              json.dumps(summary)]
     machine.report(lines, a.output)
