@@ -9,10 +9,17 @@ than 1. Neither fixed count is right for a server, so the engine measures.
 
 The choice is between all the engine's threads and one fewer (the core the other processes want). Steps
 are grouped by size (tokens, in powers of two): a group's time per step is kept for each thread count as a
-moving average, and the faster count runs. The other count is retried, one step, once its figure is older
-than its retry interval; a retry that loses clearly doubles that interval (up to ``max_retry_s``), one that
-wins resets it. A retry on a contended machine costs one slow step per interval, so backing off keeps
-that cost small, while the current count's own figure rising past the other's switches at once.
+moving average of the median of its last three steps, so one slow step (a client's burst, a page fault
+storm) moves nothing and two in a row do. The count running keeps running until the other's figure is
+faster by ``margin`` (1.1x): two figures within noise of each other do not flip the count back and forth.
+The other count is retried, one step, once its figure is older than its retry interval; a retry that loses
+doubles that interval (up to ``max_retry_s``), one that wins resets it. A retry costs one slower step per
+interval, so backing off keeps that cost small, while the current count's own figure rising past the
+other's switches without waiting for a retry. On the 2-core Zen 5 VM the earlier rules (a plain moving
+average, the faster figure always running, a retry backing off only when it lost by 1.3x or more) served
+0.87x and 0.97x the tok/s of both threads fixed at 32 and 64 chats (``benchmarks/serving_ab.py``): a
+one-thread retry there is ~1.2x slower, so it never backed off and came every second, and one slow
+two-thread step could put the engine on one thread until the next retry.
 
 Large steps (``all_threads_from`` tokens and more: prefill chunks) always run on every thread. Their
 parallel regions are long, so a preempted team thread delays each by a small fraction of it, and a retry
@@ -28,30 +35,38 @@ No torch here: the engine applies the count (``torch.set_num_threads``) and repo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
 __all__ = ["ThreadGovernor"]
 
 
 @dataclass
 class _Figure:
-    seconds: float  # moving average of a step's wall time
+    seconds: float  # moving average of the median of the last three steps' wall times
     at: float  # when it was last measured
+    recent: list[float] = field(default_factory=list)  # the last three wall times, as measured
+
+    def add(self, seconds: float, now: float, smoothing: float) -> None:
+        self.recent = [*self.recent[-2:], seconds]
+        self.seconds += smoothing * (statistics.median(self.recent) - self.seconds)
+        self.at = now
 
 
 class ThreadGovernor:
     def __init__(self, max_threads: int, *, retry_s: float = 1.0, max_retry_s: float = 16.0,
-                 smoothing: float = 0.3, clear_loss: float = 1.3, all_threads_from: int = 512) -> None:
+                 smoothing: float = 0.3, margin: float = 1.1, all_threads_from: int = 512) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
         self.candidates: tuple[int, ...] = (max_threads, max_threads - 1) if max_threads > 1 else (1,)
         self.retry_s, self.max_retry_s = retry_s, max_retry_s
-        self.smoothing, self.clear_loss = smoothing, clear_loss
+        self.smoothing, self.margin = smoothing, margin
         self.all_threads_from = all_threads_from
         self._figures: dict[tuple[int, int], _Figure] = {}
         self._interval: dict[tuple[int, int], float] = {}
         self._probing: tuple[int, int] | None = None
+        self._running: dict[int, int] = {}  # size group -> the count its steps run on (retries aside)
         self.switches = 0
         self._last_choice = max_threads
 
@@ -70,7 +85,13 @@ class ThreadGovernor:
         if not known:  # a new size: all threads first, the other count from the next step on
             self._probing = None
             return self._count(self.max_threads)
-        best = min(known, key=lambda n: known[n].seconds)
+        best = self._running.get(g, self.max_threads)
+        if best not in known:
+            best = min(known, key=lambda n: known[n].seconds)
+        fastest = min(known, key=lambda n: known[n].seconds)
+        if known[fastest].seconds * self.margin < known[best].seconds:
+            best = fastest
+        self._running[g] = best
         choice, self._probing = best, None
         if prefill:
             return self._count(choice)
@@ -98,16 +119,15 @@ class ThreadGovernor:
         if self._probing == key:
             # A retry measures a figure that is stale by design: it replaces the old one.
             others = [f.seconds for (g, n), f in self._figures.items() if g == key[0] and n != threads]
-            lost = bool(others) and seconds > self.clear_loss * min(others)
+            lost = bool(others) and seconds > min(others)
             interval = self._interval.get(key, self.retry_s)
             self._interval[key] = min(2 * interval, self.max_retry_s) if lost else self.retry_s
-            self._figures[key] = _Figure(seconds, now)
+            self._figures[key] = _Figure(seconds, now, [seconds])
             self._probing = None
         elif figure is None:
-            self._figures[key] = _Figure(seconds, now)
+            self._figures[key] = _Figure(seconds, now, [seconds])
         else:
-            figure.seconds += self.smoothing * (seconds - figure.seconds)
-            figure.at = now
+            figure.add(seconds, now, self.smoothing)
 
     def stats(self) -> dict[str, float]:
         """Per size group and thread count, the average step time in ms (for logs and /metrics)."""

@@ -19,7 +19,7 @@ def test_a_new_step_size_runs_on_all_threads_then_tries_one_fewer() -> None:
     assert run(gov, 32, 0.0, {2: 0.05, 1: 0.09}) == 2
     assert run(gov, 32, 0.1, {2: 0.05, 1: 0.09}) == 1
     # 2 threads measured faster: they keep running until the retry interval of 1 thread has passed, and
-    # that retry lost clearly (1.8x), so the interval doubled to 2 s from its measurement at 0.19 s.
+    # that retry lost (1.8x), so the interval doubled to 2 s from its measurement at 0.19 s.
     assert [run(gov, 32, 0.2 + 0.1 * i, {2: 0.05, 1: 0.09}) for i in range(20)] == [2] * 20
     assert run(gov, 32, 2.2, {2: 0.05, 1: 0.09}) == 1
 
@@ -46,6 +46,46 @@ def test_contention_arriving_switches_at_once_from_the_rising_figure() -> None:
     t += 0.3
     # The moving average of 2 threads is now above 1 thread's (older) figure: no need to wait for a retry.
     assert [run(gov, 32, t + 0.1 * i, busy) for i in range(3)][-1] == 1
+
+
+def test_one_slow_step_moves_nothing_two_in_a_row_do() -> None:
+    # A client's burst or a page-fault storm slows one step: the figure follows the median of the last three
+    # steps, so the engine does not drop to one thread for a whole retry interval because of it.
+    gov = ThreadGovernor(2)
+    quiet = {2: 0.05, 1: 0.09}
+    t = 0.0
+    for _ in range(6):
+        run(gov, 32, t, quiet)
+        t += 0.1
+    two = gov._figures[(gov.group(32), 2)]
+    before = two.seconds
+    assert run(gov, 32, t, {2: 0.5, 1: 0.09}) == 2
+    assert two.seconds == pytest.approx(before)
+    assert gov.choose(32, t + 0.6) == 2
+    gov.observe(2, 32, 0.5, t + 1.1)  # the second slow step in a row: now it counts
+    assert two.seconds > 0.09 * gov.margin
+    assert gov.choose(32, t + 1.2) == 1
+
+
+def test_a_count_within_the_margin_does_not_take_over() -> None:
+    # Figures within noise of each other (1-thread 5% faster here) leave the running count as it is.
+    gov = ThreadGovernor(2, margin=1.1)
+    close = {2: 0.100, 1: 0.095}
+    assert [run(gov, 32, 0.2 * i, close) for i in range(4)] == [2, 1, 2, 2]
+    faster = {2: 0.100, 1: 0.080}
+    assert run(gov, 32, 2.0, faster) == 1  # a retry 1.25x faster: it takes over
+    # (the first step after it retries 2 threads, measured long ago; that retry loses)
+    assert [run(gov, 32, 2.2 + 0.1 * i, faster) for i in range(6)] == [2, 1, 1, 1, 1, 1]
+
+
+def test_a_retry_that_loses_at_all_backs_off() -> None:
+    # One thread 1.15x slower: every retry costs a slower step, so they come ever further apart.
+    gov = ThreadGovernor(2, retry_s=1.0, max_retry_s=16.0)
+    speeds = {2: 0.070, 1: 0.080}
+    counts = [run(gov, 64, 0.1 * i, speeds) for i in range(300)]  # 30 s of steps
+    assert counts[:2] == [2, 1]
+    assert counts.count(1) <= 6  # retries after 2, 4, 8, 16 s (not one every second)
+    assert gov._interval[(gov.group(64), 1)] == 16.0
 
 
 def test_sizes_are_measured_apart() -> None:
