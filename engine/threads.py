@@ -15,11 +15,11 @@ faster by ``margin`` (1.1x): two figures within noise of each other do not flip 
 The other count is retried, one step, once its figure is older than its retry interval; a retry that loses
 doubles that interval (up to ``max_retry_s``), one that wins resets it. A retry costs one slower step per
 interval, so backing off keeps that cost small, while the current count's own figure rising past the
-other's switches without waiting for a retry. On the 2-core Zen 5 VM the earlier rules (a plain moving
-average, the faster figure always running, a retry backing off only when it lost by 1.3x or more) served
-0.87x and 0.97x the tok/s of both threads fixed at 32 and 64 chats (``benchmarks/serving_ab.py``): a
-one-thread retry there is ~1.2x slower, so it never backed off and came every second, and one slow
-two-thread step could put the engine on one thread until the next retry.
+other's by the margin switches without waiting for a retry. On the 2-core Zen 5 VM the earlier rules (a
+plain moving average, the faster figure always running, a retry backing off only when it lost by 1.3x or
+more) served 0.86-0.97x the tok/s of both threads fixed at 32 and 64 chats in two runs
+(``benchmarks/serving_ab.py``): a one-thread retry there is ~1.2x slower, so it never backed off and came
+every second, and one slow two-thread step could put the engine on one thread until the next retry.
 
 Large steps (``all_threads_from`` tokens and more: prefill chunks) always run on every thread. Their
 parallel regions are long, so a preempted team thread delays each by a small fraction of it, and a retry
