@@ -85,11 +85,9 @@ class ThreadGovernor:
         if not known:  # a new size: all threads first, the other count from the next step on
             self._probing = None
             return self._count(self.max_threads)
-        best = self._running.get(g, self.max_threads)
-        if best not in known:
-            best = min(known, key=lambda n: known[n].seconds)
         fastest = min(known, key=lambda n: known[n].seconds)
-        if known[fastest].seconds * self.margin < known[best].seconds:
+        best = self._running.get(g, self.max_threads)
+        if best not in known or known[fastest].seconds * self.margin < known[best].seconds:
             best = fastest
         self._running[g] = best
         choice, self._probing = best, None
