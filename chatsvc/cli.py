@@ -61,6 +61,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
     p.add_argument("--abort-grace", type=float, default=3.0,
                    help="seconds a session reply keeps generating without readers before it is aborted")
+    p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="the gateway's event loop (auto: uvloop where installed)")
+    p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
+                   help="HTTP/1.1 parser (auto: httptools where installed)")
     p.add_argument("--log-level", default="info")
 
 
@@ -213,9 +217,12 @@ def serve(args: argparse.Namespace) -> int:
                                instance=f"{socket.gethostname()}:{args.port}")
         app = create_app(engine, store, settings)
         log.info("listening on http://%s:%d", args.host, args.port)
+        # uvloop and httptools: every streamed token passes the loop and the HTTP writer once, and the
+        # gateway's CPU time is taken from the engine's cores (see README, "Where serving loses to offline").
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                loop=args.loop, http=args.http,
                                 ws_max_size=4 * settings.max_ws_frame_bytes, timeout_graceful_shutdown=5)
-        asyncio.run(uvicorn.Server(config).serve())
+        uvicorn.Server(config).run()  # on the loop that config.loop names
         return 0
     except _Stop:
         return 0

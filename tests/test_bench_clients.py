@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
+import aiohttp
 import pytest
 from bench_fakes import FakeState, fake_server
 
@@ -15,6 +16,7 @@ from chatsvc.bench.clients import (
     base_url,
     classify_error,
     handle_event,
+    iter_sse,
     ws_url,
 )
 from chatsvc.bench.metrics import RequestRecord
@@ -62,6 +64,8 @@ def test_handle_event_typed_frames_and_errors() -> None:
     assert e.value.kind == "server_invalid_request_error"
     assert classify_error(TimeoutError()) == ("timeout", "")
     assert classify_error(ConnectionRefusedError("no"))[0] == "connect"
+    assert classify_error(aiohttp.ServerDisconnectedError())[0] == "disconnected"
+    assert classify_error(aiohttp.ClientPayloadError("cut"))[0] == "disconnected"
 
 
 async def run_turns(cfg: ClientConfig, turns: list[str]) -> list[RequestRecord]:
@@ -135,3 +139,28 @@ async def test_without_usage_tokens_are_left_for_counting() -> None:
         for mode in ("openai", "sse", "ws"):
             recs = await run_turns(ClientConfig(url=url, mode=mode, max_tokens=3), ["x"])
             assert recs[0].ok and recs[0].output_tokens is None and len(recs[0].delta_times) == 3
+
+
+class _Chunks:
+    """Stands in for an aiohttp response: ``content.iter_any()`` yields the given byte chunks."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.content = self
+        self._chunks = chunks
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for c in self._chunks:
+            yield c
+
+
+async def test_sse_events_split_anywhere_between_chunks() -> None:
+    body = 'event: delta\r\ndata: {"text": "é"}\r\n\r\n: comment\r\ndata: a\r\ndata: b\r\n\r\ndata: [DONE]\n\n'.encode()
+    whole = [ev async for ev in iter_sse(_Chunks([body]))]  # type: ignore[arg-type]
+    assert whole == [("delta", '{"text": "é"}'), (None, "a\nb"), (None, "[DONE]")]
+    for cut in range(1, len(body)):  # every split point, inside CRLF and inside the two-byte "é" too
+        parts = [ev async for ev in iter_sse(_Chunks([body[:cut], body[cut:]]))]  # type: ignore[arg-type]
+        assert parts == whole, cut
+    one_by_one = [ev async for ev in iter_sse(_Chunks([bytes([b]) for b in body]))]  # type: ignore[arg-type]
+    assert one_by_one == whole
+    unterminated = [ev async for ev in iter_sse(_Chunks([b"data: x"]))]  # type: ignore[arg-type]
+    assert unterminated == [(None, "x")]

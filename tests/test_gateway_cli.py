@@ -39,12 +39,12 @@ def redis_pids(data_dir: Path) -> list[int]:
     return pids
 
 
-def start(model: Path, data_dir: Path, port: int) -> subprocess.Popen[bytes]:
+def start(model: Path, data_dir: Path, port: int, *flags: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     env.pop("REDIS_URL", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "chatsvc.cli", "serve", "--model", str(model), "--port", str(port),
-         "--data-dir", str(data_dir), "--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "warning"],
+         "--data-dir", str(data_dir), "--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "warning", *flags],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -57,6 +57,12 @@ def start(model: Path, data_dir: Path, port: int) -> subprocess.Popen[bytes]:
         time.sleep(0.2)
     proc.kill()
     raise AssertionError("server did not become ready")
+
+
+def loaded_extensions(pid: int) -> set[str]:
+    """Which of uvloop's and httptools' compiled modules the process has mapped."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    return {name for name in ("uvloop", "httptools") if f"/{name}/" in maps}
 
 
 def stop(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
@@ -80,11 +86,13 @@ def test_restart_keeps_sessions_and_leaves_no_redis(tmp_path: Path) -> None:
             assert any('"done"' in line for line in r.iter_lines())
         before = httpx.get(f"{base}/v1/sessions/{sid}").json()
         assert len(redis_pids(data)) == 1
+        assert loaded_extensions(proc.pid) == {"uvloop", "httptools"}  # the defaults where installed
     finally:
         stop(proc, signal.SIGTERM)
     assert redis_pids(data) == []
-    proc = start(model, data, port)
+    proc = start(model, data, port, "--loop", "asyncio", "--http", "h11")
     try:
+        assert loaded_extensions(proc.pid) == set()
         after = httpx.get(f"http://127.0.0.1:{port}/v1/sessions/{sid}").json()
         assert after["messages"] == before["messages"] and len(after["messages"]) == 2
     finally:

@@ -1,7 +1,7 @@
 """``chatsvc bench``: a load generator for chat servers (ours over ws / sse, or any OpenAI server).
 
 ``add_arguments`` only touches argparse so the ``chatsvc`` CLI stays quick to start; ``run`` imports the
-rest (httpx, rich, matplotlib) when the command actually runs.
+rest (aiohttp, rich, matplotlib) when the command actually runs.
 """
 
 from __future__ import annotations
