@@ -38,6 +38,7 @@ def test_report_counts_match_what_was_sent(server: tuple[str, FakeState], mode: 
     assert r["errors"] == {} and r["total_output_tokens"] == 24
     assert r["output_tok_s"] == pytest.approx(24 / r["duration_s"])
     assert r["token_count_source"] == {"usage": 6} and r["mode"] == mode
+    assert r["client_cpu_s"] > 0  # parsing the streams took CPU (here with the fake server's, same process)
 
 
 def test_errors_are_counted_by_kind(tmp_path: Path, server: tuple[str, FakeState]) -> None:

@@ -84,8 +84,9 @@ async def _install_persona(client: Client, name: str, system_prompt: str) -> Non
 async def run_one(
     cfg: ClientConfig, load: LoadConfig, conversations: list[list[str]], progress: bool, console: Console,
     title: str, install_persona: tuple[str, str] | None = None,
-) -> tuple[list[RequestRecord], float, float, bool, str | None]:
-    """One load run against one server. Returns (records, t0, duration, interrupted, model)."""
+) -> tuple[list[RequestRecord], float, float, bool, str | None, float]:
+    """One load run against one server. Returns (records, t0, duration, interrupted, model, the CPU seconds this
+    process spent while the load ran: on a shared machine, what the load generator took from the server)."""
     records: list[RequestRecord] = []
     stop = asyncio.Event()
     interrupted = False
@@ -126,15 +127,17 @@ async def run_one(
 
         with bar:
             tick = asyncio.create_task(ticker())
+            cpu0 = time.process_time()
             try:
                 t0, duration = await run_load(client, conversations, load, records, stop, on_record)
             finally:
                 tick.cancel()
+            client_cpu = time.process_time() - cpu0
     finally:
         await client.aclose()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(signal.SIGINT)
-    return records, t0, duration, interrupted, client.model
+    return records, t0, duration, interrupted, client.model, client_cpu
 
 
 def main(args: argparse.Namespace) -> int:
@@ -177,7 +180,7 @@ def main(args: argparse.Namespace) -> int:
             title = label if math.isinf(rate) else f"{label} @ {rate:g}/s"
             try:
                 with asyncio.Runner(loop_factory=loop_factory()) as runner:
-                    records, t0, duration, interrupted, model = runner.run(
+                    records, t0, duration, interrupted, model, client_cpu = runner.run(
                         run_one(cfg, load, conversations, not args.no_progress, err, title, install))
             except KeyboardInterrupt:
                 interrupted = True
@@ -189,7 +192,8 @@ def main(args: argparse.Namespace) -> int:
             count_missing_tokens(records, tok)
             summary = summarize(records, duration, slo)
             summary.update({"url": url, "label": label, "mode": args.mode, "model": model,
-                            "rate": None if math.isinf(rate) else rate, "interrupted": interrupted})
+                            "rate": None if math.isinf(rate) else rate, "interrupted": interrupted,
+                            "client_cpu_s": round(client_cpu, 3)})
             runs.append(summary)
             if args.sweep_rates is None:
                 print_summary(summary, out, title=f"chatsvc bench: {label} ({args.mode})")

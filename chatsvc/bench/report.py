@@ -42,6 +42,8 @@ def summary_table(s: dict[str, Any], title: str = "chatsvc bench") -> Table:
     ]
     if s.get("cached_prompt_tokens") is not None:
         rows.append(("cached prompt tokens", str(s["cached_prompt_tokens"])))
+    if s.get("client_cpu_s") is not None:
+        rows.append(("load generator CPU (s)", _f(s["client_cpu_s"], 2)))
     if "goodput_req_s" in s:
         slo = ",".join(f"{k}={v:g}" for k, v in s["slo_ms"].items())
         rows.append((f"goodput (req/s, {slo} ms)", _f(s["goodput_req_s"], 3)))
