@@ -73,6 +73,26 @@ def test_deltas_of_a_slow_reader_are_merged_without_loss() -> None:
     assert q.buffered == 0
 
 
+def test_merged_deltas_are_joined_once_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Joining on every put would copy the growing text and token list each time: quadratic in the unread output.
+    import engine.client as client_module
+
+    joined: list[int] = []
+    real = client_module._merge
+    def counted(parts: list[RequestDelta]) -> RequestDelta:
+        joined.append(len(parts))
+        return real(parts)
+
+    monkeypatch.setattr(client_module, "_merge", counted)
+    q, counters, _ = queue(coalesce_after=1)
+    for step in range(5000):
+        q.put_nowait(delta(0, "x", step))
+    assert counters.coalesced == 4999 and joined == []  # nothing joined while the reader is away
+    (got,) = drain(q)
+    assert joined == [5000] and isinstance(got, RequestDelta)
+    assert got.text == "x" * 5000 and got.token_ids == list(range(5000))
+
+
 def test_an_exception_follows_what_was_queued_before_it() -> None:
     q, _, _ = queue(coalesce_after=1)
     q.put_nowait(delta(0, "a", 1))
