@@ -109,6 +109,21 @@ def test_prefill_matches_oracle_and_reference(isa: str, gen: torch.Generator, bl
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_sequences_with_their_kv_heads_handed_out_together(isa: str, gen: torch.Generator,
+                                                                dtype: torch.dtype) -> None:
+    """Batches with many (sequence, KV head) items: a thread takes one tile's KV heads together, so a
+    decode batch and a mixed batch of many short prompts must still give every head its own answer."""
+    threads = torch.get_num_threads()
+    n = 8 * threads + 5  # enough tiles for the grouped hand-out at this thread count, and an odd tail
+    lens = torch.randint(1, 200, (n,), generator=gen).tolist()
+    p = make_problem(lens, block_size=16, num_kv_heads=3, group=3, dtype=dtype, shared_blocks=2, generator=gen)
+    _check(p, _decode(p), dtype)
+    queries = [max(1, length // 2) for length in lens]
+    p = make_problem(lens, queries, block_size=16, num_kv_heads=3, group=3, dtype=dtype, generator=gen)
+    _check(p, _prefill(p), dtype)
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 64, 128, 256])
 def test_every_block_size_the_paper_sweeps(isa: str, gen: torch.Generator, block_size: int) -> None:
     """The block sizes benchmarks/paper/block_size.py runs beyond the cases above: one token per block, and
