@@ -1125,8 +1125,8 @@ inline float rnd1(float x) {
 
 // Elements per task of the elementwise ops: a decode step's rows (tens of thousands of elements, a few
 // microseconds of work) run inline on the calling thread, since waking the OpenMP team costs more than
-// splitting them saves (the engine process runs with OMP_WAIT_POLICY=PASSIVE, where every parallel region
-// is a futex wake-up).
+// splitting them saves (the engine process's OpenMP workers spin only briefly, GOMP_SPINCOUNT=10000, so a
+// parallel region after a pause is a futex wake-up).
 constexpr int64_t kElemsPerTask = 65536;
 inline int64_t rows_per_task(int64_t row_elems) {
   return std::max<int64_t>(1, kElemsPerTask / std::max<int64_t>(row_elems, 1));
