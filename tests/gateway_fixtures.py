@@ -95,6 +95,29 @@ class LiveServer:
         self.thread.join(30)
 
 
+def wait_personas_pinned(app: object, timeout_s: float = 60.0) -> None:
+    """Wait until the gateway has pinned every default persona and its engine is idle again.
+
+    The pins run in the background after start-up, each as a prefill in the engine. A test that starts
+    before they end finds them in the engine's queue and its KV blocks: counted as waiting requests, or
+    holding blocks a reply measured earlier still had."""
+    from chatsvc.personas import DEFAULT_PERSONAS
+
+    gw = app.state.gateway  # type: ignore[attr-defined]
+
+    def done() -> bool:
+        stats = gw.engine.stats()
+        return bool(len(gw.personas.pinned) >= len(DEFAULT_PERSONAS)
+                    and stats.get("requests_running", 0) + stats.get("requests_waiting", 0) == 0)
+
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the default personas were not pinned in {timeout_s:.0f} s "
+                               f"(pinned: {sorted(gw.personas.pinned)})")
+        time.sleep(0.02)
+
+
 def default_model_path() -> str:
     import importlib.util
 

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 import websockets
-from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
+from gateway_fixtures import LiveServer, default_model_path, redis_proc, wait_personas_pinned  # noqa: F401
 from websockets.asyncio.client import connect
 
 from chatsvc.app import create_app
@@ -40,10 +40,7 @@ def server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
     settings = Settings(abort_grace_s=2.0, max_n=4)
     app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), settings)
     with LiveServer(app) as live:
-        # Personas are pinned in the background once Redis answers.
-        deadline = time.monotonic() + 60
-        while len(app.state.gateway.personas.pinned) < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_personas_pinned(app)
         live.gateway = app.state.gateway  # type: ignore[attr-defined]
         yield live
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis as sync_redis
 import websockets
-from gateway_fixtures import LiveServer, free_port, redis_proc  # noqa: F401
+from gateway_fixtures import LiveServer, free_port, redis_proc, wait_personas_pinned  # noqa: F401
 from websockets.sync.client import connect
 
 from chatsvc.app import create_app
@@ -44,9 +44,7 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
     engine = tiny_engine(tmp_path_factory.mktemp("tiny"))
     app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), SETTINGS)
     with LiveServer(app, ws_max_size=8 * 1024) as live:
-        deadline = time.monotonic() + 30
-        while len(app.state.gateway.personas.pinned) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_personas_pinned(app)
         live.redis = sync_redis.Redis.from_url(redis_proc.url)  # type: ignore[attr-defined]
         live.engine = engine  # type: ignore[attr-defined]
         yield live

@@ -4,14 +4,13 @@ frame and the socket stays usable) and chat-template control tokens typed by a u
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import redis as sync_redis
-from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
+from gateway_fixtures import LiveServer, default_model_path, redis_proc, wait_personas_pinned  # noqa: F401
 from websockets.sync.client import connect
 
 from chatsvc.app import create_app
@@ -36,9 +35,7 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
                                    num_kv_blocks=64, max_model_len=512)
     app = create_app(engine, Store.from_url(redis_proc.url, 3600, 60), Settings(api_keys=(KEY,), max_pinned_fraction=1.0))
     with LiveServer(app) as live:
-        deadline = time.monotonic() + 30
-        while len(app.state.gateway.personas.pinned) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_personas_pinned(app)
         live.redis = sync_redis.Redis.from_url(redis_proc.url)  # type: ignore[attr-defined]
         live.engine = engine  # type: ignore[attr-defined]
         yield live

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
+from gateway_fixtures import LiveServer, redis_proc, wait_personas_pinned  # noqa: F401
 
 from engine.client import DeltaQueue, StreamCounters, StreamLimits, StreamOverflowError, relay_deltas
 from engine.engine import RequestDelta
@@ -146,6 +146,9 @@ def live(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple
     settings = Settings(web_dir=Path("/nonexistent"), sse_send_timeout_s=600.0)
     app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), settings)
     with LiveServer(app) as server:
+        # A persona pinned between the fast and the slow reply would hold blocks the fast one had: the slow one,
+        # cut short by the KV pool (8 x 1900 tokens do not fit), would end earlier.
+        wait_personas_pinned(app)
         yield server, eng
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
+from gateway_fixtures import LiveServer, redis_proc, wait_personas_pinned  # noqa: F401
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 KA, KB = "key-a", "key-b"
@@ -39,6 +39,9 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
                         max_waiting_share=0.25)
     app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), settings)
     with LiveServer(app) as live:
+        # A pin still queued when the test's long reply starts would wait behind it (one sequence at a time)
+        # and count as a third waiting request.
+        wait_personas_pinned(app)
         live.gw = app.state.gateway  # type: ignore[attr-defined]
         yield live
 
