@@ -113,6 +113,62 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if bf16_supported() else "float32"
 
 
+# Instruction-set tiers, slowest first: what decides which matmul and attention paths run, so numbers are
+# comparable only within one tier (and one dtype).
+TIERS = ("generic", "avx2", "avx512", "amx")
+# What each value of an ISA_CAPS variable caps the tier to (``ONEDNN_MAX_CPU_ISA`` is matched by prefix, its
+# values naming ever larger AVX-512 subsets).
+_CAP_TIERS: dict[str, dict[str, str]] = {
+    "CHATSVC_CPU_ISA": {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512"},
+    "ATEN_CPU_CAPABILITY": {"default": "generic", "avx2": "avx2", "avx512": "avx512"},
+    "ONEDNN_MAX_CPU_ISA": {"sse41": "generic", "avx": "generic", "avx2": "avx2", "avx512_core_amx": "amx",
+                           "avx512": "avx512", "amx": "amx"},
+}
+_DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def _cap_tier(name: str, value: str) -> str | None:
+    table = _CAP_TIERS.get(name, {})
+    value = value.strip().lower()
+    if name == "ONEDNN_MAX_CPU_ISA":
+        for prefix, tier in sorted(table.items(), key=lambda kv: -len(kv[0])):  # longest prefix wins
+            if value.startswith(prefix):
+                return tier
+        return None
+    return table.get(value)
+
+
+def parse_caps(caps: str | dict[str, str] | None) -> dict[str, str]:
+    """``isa_caps`` as a record stores it (``"CHATSVC_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2"``) or a mapping."""
+    if not caps:
+        return {}
+    if isinstance(caps, dict):
+        return dict(caps)
+    return dict(item.split("=", 1) for item in caps.split() if "=" in item)
+
+
+def machine_class(isa: list[str], dtype: str, caps: str | dict[str, str] | None = None) -> str:
+    """The class a record belongs to, ``<tier>-<dtype>`` (``avx2-fp32``, ``avx512-bf16``, ``amx-bf16``...): the
+    best tier the CPU's flags reach, lowered by any ISA cap the run was made under, and the dtype it ran.
+
+    Two records of one class ran the same code paths; across classes the numbers differ by design."""
+    flags = set(isa)
+    tier = ("amx" if "amx_bf16" in flags else "avx512" if "avx512f" in flags else
+            "avx2" if "avx2" in flags else "generic")
+    for name, value in parse_caps(caps).items():
+        capped = _cap_tier(name, value)
+        if capped is not None and TIERS.index(capped) < TIERS.index(tier):
+            tier = capped
+    return f"{tier}-{_DTYPES.get(dtype, dtype)}"
+
+
+def current_class(dtype: str) -> str:
+    """This machine's class for a run in ``dtype`` (``auto`` resolved as the engine does), under the ISA caps
+    set in this environment."""
+    caps = {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)}
+    return machine_class(isa_flags(), resolve_dtype(dtype), caps)
+
+
 @dataclass
 class Machine:
     cpu: str

@@ -29,8 +29,9 @@ engine offline
 ``served_over_offline`` = ours served tok/s / offline tok/s, what the gateway, the HTTP streaming and the
 engine process boundary cost at that load.
 
-Record: every run writes ``benchmarks/results/serving_vs_vllm_<UTC stamp>/`` with ``summary.md`` and
-``record.json`` naming the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_vnni, amx_bf16,
+Record: every run writes ``benchmarks/results/serving_vs_vllm/<machine class>/`` (``avx2-fp32``,
+``avx512-bf16``, ``amx-bf16``: ``machine.machine_class``; ``--quick`` runs go to ``<class>-quick``, which git
+ignores), replacing the record there, with ``summary.md`` and ``record.json`` naming the CPU model, its ISA flags (avx2, avx512f, avx512_bf16, avx512_vnni, amx_bf16,
 amx_tile), cores, torch and vLLM versions, our commit (``-dirty`` if tracked files differ), the settings, and
 the load averages before and after each run (a loud warning when the 1-min load before the servers start is > 0.5: numbers
 taken on a busy machine are not comparable; within the rounds the load is the runs' own). Before the servers
@@ -58,6 +59,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -350,7 +352,7 @@ def bench(url: str, name: str, args: list[str], json_path: Path | None, seed: in
     cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--label", name, "--mode", "openai",
            "--no-progress", "--duration", "900", "--seed", str(seed), *args]
     if json_path is not None:
-        cmd += ["--json", str(json_path), "--plot", str(json_path.with_suffix(".png"))]
+        cmd += ["--json", str(json_path)]
     log("bench: " + " ".join(cmd[2:]))
     rc = subprocess.run(cmd, stdout=sys.stderr, cwd=ROOT, env=project_env()).returncode
     if rc != 0:
@@ -568,7 +570,10 @@ def main() -> int:
         log(f"WARNING: not found for vLLM's LD_PRELOAD: {lib}; vLLM runs slower without it")
     host = machine.describe(**vllm_versions(vllm_py))
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    out = a.out / f"serving_vs_vllm_{stamp}{'_quick' if a.quick else ''}"
+    # One record per machine class: a new run replaces the previous one (git history keeps it).
+    cls = machine.machine_class(host.isa, dtype, host.extra.get("isa_caps"))
+    out = a.out / "serving_vs_vllm" / f"{cls}{'-quick' if a.quick else ''}"
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     settings = {
         "dtype": dtype, "dtype_requested": a.dtype, "kv_cache_gib": kv_gib, "kv_cache_gib_sized": kv_wanted,
