@@ -136,7 +136,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--base", default=None, help="also time the kernels of this commit")
-    parser.add_argument("--output", type=Path, default=None, help="also append the report to this file")
+    parser.add_argument("--output", type=Path, default=None, help="also write the report to this file, replacing it (a record: "
+                        "benchmarks/results/<benchmark>/$(python benchmarks/machine.py)/record.txt)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,8 +212,7 @@ def main() -> None:
     lines.append(json.dumps(summary))
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("a") as f:
-            f.write("\n".join(lines) + "\n\n")
+        args.output.write_text("\n".join(lines) + "\n")
     print(json.dumps(summary))
 
 

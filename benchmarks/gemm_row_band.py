@@ -53,7 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default="16,17,24,32,33,40")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=None, help="also append the report to this file")
+    parser.add_argument("--output", type=Path, default=None, help="also write the report to this file, replacing it (a record: "
+                        "benchmarks/results/<benchmark>/$(python benchmarks/machine.py)/record.txt)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     host = machine.describe()

@@ -4,8 +4,8 @@ Whether torch's transparent-huge-page allocator (``THP_MEM_ALLOC_ENABLE=1``: all
 2 MiB-aligned and advised ``MADV_HUGEPAGE``) would make the engine faster. A decode step streams every
 weight (~270 MB in bf16) and reads KV blocks from all over the pool, tens of thousands of 4 KiB pages a
 step, so TLB misses were a suspect; the engine does not set the variable (this measured no gain on the
-2-core EPYC VM: benchmarks/results/huge_pages.txt). torch reads the variable at its first allocation, so each side is a
-process of its own (``THP_MEM_ALLOC_ENABLE=1`` vs ``=0``), both up together: each builds the engine (real
+2-core EPYC VM: benchmarks/results/huge_pages/). torch reads the variable at its first allocation, so each
+side is a process of its own (``THP_MEM_ALLOC_ENABLE=1`` vs ``=0``), both up together: each builds the engine (real
 model, dtype ``auto``) and brings the same ``rows`` sequences of 128 random prompt tokens to pure decode,
 then the two take turns one decode step at a time (``--steps`` each, the first of each pair alternating).
 Taking turns step by step keeps the comparison inside the same seconds: this 2-core VM's speed swings
@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--rows", default="32,64")
     parser.add_argument("--steps", type=int, default=200, help="decode steps of each side, in pairs")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--output", type=Path, default=None, help="also append the report to this file")
+    parser.add_argument("--output", type=Path, default=None, help="also write the report to this file, replacing it (a record: "
+                        "benchmarks/results/<benchmark>/$(python benchmarks/machine.py)/record.txt)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
 

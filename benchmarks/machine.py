@@ -149,7 +149,8 @@ def parse_caps(caps: str | dict[str, str] | None) -> dict[str, str]:
 
 def machine_class(isa: list[str], dtype: str, caps: str | dict[str, str] | None = None) -> str:
     """The class a record belongs to, ``<tier>-<dtype>`` (``avx2-fp32``, ``avx512-bf16``, ``amx-bf16``...): the
-    best tier the CPU's flags reach, lowered by any ISA cap the run was made under, and the dtype it ran.
+    best tier the CPU's flags reach, lowered by any ISA cap the run was made under, and the dtype it ran
+    (``auto``: the one the engine resolves it to on that tier).
 
     Two records of one class ran the same code paths; across classes the numbers differ by design."""
     flags = set(isa)
@@ -159,6 +160,9 @@ def machine_class(isa: list[str], dtype: str, caps: str | dict[str, str] | None 
         capped = _cap_tier(name, value)
         if capped is not None and TIERS.index(capped) < TIERS.index(tier):
             tier = capped
+    if dtype == "auto":  # what the engine's ``--dtype auto`` picks: bf16 where the CPU has it natively
+        native = tier in ("avx512", "amx") and bool(flags & {"avx512_bf16", "amx_bf16"})
+        dtype = "bfloat16" if native else "float32"
     return f"{tier}-{_DTYPES.get(dtype, dtype)}"
 
 
@@ -234,11 +238,21 @@ def load_window(label: str, record: dict[str, Any]) -> Iterator[None]:
         entry["after"] = list(load_avg())
 
 
+def record_path(benchmark: str, dtype: str = "auto") -> Path:
+    """Where a run of ``benchmark`` here keeps its record: ``benchmarks/results/<benchmark>/<class>/``."""
+    return ROOT / "benchmarks" / "results" / benchmark / current_class(dtype)
+
+
 def report(lines: list[str], output: Path | None) -> None:
-    """Prints a benchmark's report and, with ``output``, appends it there (records accumulate, a blank line
-    apart)."""
+    """Prints a benchmark's report and, with ``output``, writes it there, replacing what was there: a record
+    holds one run (``benchmarks/results/<benchmark>/<class>/record.txt``), git history the ones before."""
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
-        with output.open("a") as f:
-            f.write("\n".join(lines) + "\n\n")
+        output.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    # `python benchmarks/machine.py [DTYPE]`: this machine's class for a run in DTYPE (default auto), the
+    # folder name of the records a run here makes.
+    print(current_class(sys.argv[1] if len(sys.argv) > 1 else "auto"))

@@ -27,7 +27,7 @@ slower (torch's OpenMP threads wait for each other's time slices): measure on a 
 ``--rounds N`` runs (a) and (b) N times, taking turns (the order flips each round), and reports the median of
 the rounds' ratios (every round's in ``speedup_vs_hf_rounds``): the phases run minutes apart, and a 2-core
 VM's speed swings between minutes (transformers made 88.6 and 117.5 tok/s in two single runs there,
-``benchmarks/results/offline_throughput.txt``), so one round's ratio says as much about the minutes as about
+``benchmarks/results/offline_throughput/``), so one round's ratio says as much about the minutes as about
 the code.
 
 Workload: the first ``--num-prompts`` ShareGPT prompts (``../shared/data/sharegpt_prompts_1000.json``,
@@ -95,7 +95,7 @@ import torch  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 from engine.engine import LLMEngine  # noqa: E402
-from engine.loader import default_model_path  # noqa: E402
+from engine.model_files import default_model_path  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
 
@@ -187,12 +187,12 @@ def run_engine(prompts: list[list[int]], args: argparse.Namespace,
         filled, allocated = engine.kv_slot_usage()
         if allocated:
             util_sum += filled / allocated
-        running_sum += engine.stats()["requests_running"]
+        running_sum += engine.stats().requests_running
         steps += 1
         sampling += time.perf_counter() - t
     seconds = time.perf_counter() - start - sampling
     stats = engine.stats()
-    preemptions = stats["preemptions_swap"] + stats["preemptions_recompute"]
+    preemptions = stats.preemptions_swap + stats.preemptions_recompute
     util = util_sum / max(steps, 1)
     detail = (f"steps {steps}, mean running requests {running_sum / max(steps, 1):.1f}, "
               f"preemptions {preemptions}, KV utilization {util:.3f}")
@@ -511,7 +511,8 @@ def main() -> None:
                         help="decode batch sizes for the per-step breakdown (empty: none)")
     parser.add_argument("--breakdown-steps", type=int, default=8, help="decode steps timed per breakdown")
     parser.add_argument("--quick", action="store_true", help="32 prompts x 32 tokens, 3 breakdown steps, for iterating")
-    parser.add_argument("--output", type=Path, default=None, help="also append the report to this file")
+    parser.add_argument("--output", type=Path, default=None, help="also write the report to this file, replacing it (a record: "
+                        "benchmarks/results/<benchmark>/$(python benchmarks/machine.py)/record.txt)")
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.max_tokens, args.hf_prompts, args.breakdown_steps = 32, 32, 32, 3
@@ -638,8 +639,7 @@ def main() -> None:
     lines = header + [r.line() for r in results] + results_lines + [json.dumps(summary)]
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("a") as f:
-            f.write("\n".join(lines) + "\n\n")
+        args.output.write_text("\n".join(lines) + "\n")
     print(json.dumps(summary))
 
 

@@ -14,8 +14,8 @@ to packed bf16 (where oneDNN runs it natively) and packed float32.
 
     python -m benchmarks.quantization_accuracy [--sharegpt 50] [--threads 1,2]
 
-writes benchmarks/results/quantization_int8.txt (machine, ISA, cores, commit; one line per figure; the
-last line a JSON summary).
+writes its record, ``benchmarks/results/quantization_accuracy/<machine class>/record.txt`` unless ``--out``
+says otherwise (machine, ISA, cores, commit; one line per figure; the last line a JSON summary).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from benchmarks.machine import ROOT, describe, load_avg, warn_if_busy
+from benchmarks.machine import ROOT, describe, load_avg, record_path, warn_if_busy
 from chatsvc.bench.dataset import load_prompts
 from engine.llm import LLM
 from engine.loader import LoadedModel, load_model
@@ -45,7 +45,6 @@ from tests.test_llm import _conversations as parity_conversations
 GEN_TOKENS = 32
 BLOCK = 16
 SHAREGPT = ROOT / ".." / "shared" / "data" / "sharegpt_prompts_1000.json"
-OUT = ROOT / "benchmarks" / "results" / "quantization_int8.txt"
 ROWS = (1, 32, 96)
 
 
@@ -152,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-chars", type=int, default=2000, help="longest ShareGPT prompt taken, in characters")
     ap.add_argument("--threads", default="1,2", help="torch thread counts for the speed part")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: benchmarks/results/quantization_accuracy/<machine class>/record.txt")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = record_path("quantization_accuracy") / "record.txt"
 
     load_before = load_avg()
     warn_if_busy("quantization_accuracy", load_before)

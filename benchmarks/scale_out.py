@@ -15,7 +15,7 @@ tokens``), greedy, fixed output lengths. Reported per setup:
 On a 2-core machine (b) will not be faster than (a): the two workers split the cores one engine had alone, and
 the gateway and Redis take their share. The figures to watch there are the hit rate and the hop.
 
-    python benchmarks/scale_out.py --sessions 8 --turns 3 --max-tokens 32 --json benchmarks/results/scale_out.json
+    python benchmarks/scale_out.py --sessions 8 --turns 3 --max-tokens 32 --json benchmarks/results/scale_out/$(python benchmarks/machine.py)/record.json
 
 The last line printed is one JSON object: {"setups": {name: {...}}, "config": {...}, "machine": {cpu, isa, cores,
 commit, ...}, "load": {setup: load averages before/after}}.

@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output", type=Path, default=None, help="also append the report to this file")
+    ap.add_argument("--output", type=Path, default=None, help="also write the report to this file, replacing it (a record: "
+                        "benchmarks/results/<benchmark>/$(python benchmarks/machine.py)/record.txt)")
     a = ap.parse_args()
     keys = [k for k in a.workloads.split(",") if k]
     unknown = [k for k in keys if k not in sv.WORKLOADS]

@@ -14,7 +14,7 @@ Checked at the end, against what the clients saw:
 - Redis's key count stays bounded; no 5xx outside the injected fault windows;
 - p99 TTFT before the faults and after them.
 
-    python benchmarks/soak.py --duration-s 1800 > benchmarks/results/soak.txt
+    python benchmarks/soak.py --duration-s 1800 > benchmarks/results/soak/$(python benchmarks/machine.py)/record.txt
 
 The last line printed is one JSON object with these figures; the exit status is 1 if a check failed.
 """

@@ -124,7 +124,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="decode steps of each side, in pairs")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--output", type=Path, default=None, help="also append the report to this file")
+    parser.add_argument("--output", type=Path, default=None, help="also write the report to this file, replacing it (a record: "
+                        "benchmarks/results/<benchmark>/$(python benchmarks/machine.py)/record.txt)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     if args.worker is not None:

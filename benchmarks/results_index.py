@@ -1,0 +1,459 @@
+"""Regenerates every page that shows benchmark results from the records in ``benchmarks/results/``:
+
+- ``benchmarks/results/index.json`` and ``benchmarks/results/README.md``: the records kept (the newest of
+  each benchmark per machine class) and the superseded ones, each with the commit that still holds it;
+- ``docs/performance.md``: every kept record's figures, by benchmark and machine class;
+- the performance table in ``README.md`` (between the two marker comments): one figure per benchmark and
+  class, each linking its record.
+
+Usage: python benchmarks/results_index.py [--check]
+
+A record is ``benchmarks/results/<benchmark>/<class>/`` holding ``record.json`` (a JSON record) or
+``record.txt`` (a report as ``machine.report`` writes it: a ``# <date> commit <sha> command: ...`` line, a
+``machine:`` line, the report, and a last line with the run's JSON). ``<class>`` is ``machine.machine_class``
+of the run (``avx2-fp32``, ``avx512-bf16``, ``amx-bf16``...) or ``any`` where the figures do not depend on the
+machine. A benchmark run writes its record there, replacing the previous one; running this script then
+moves the previous one to the index's superseded list, with the commit that holds it. ``--check`` writes
+nothing and exits 1 when a page differs from what the records give (``tests/test_results_index.py`` does
+the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+INDEX_JSON = RESULTS / "index.json"
+INDEX_MD = RESULTS / "README.md"
+PERFORMANCE_MD = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
+COMMAND = "python benchmarks/results_index.py"
+BEGIN = f"<!-- performance table: generated from benchmarks/results by `{COMMAND}`; do not edit -->"
+END = "<!-- end of the generated performance table -->"
+RECORD_FILES = ("record.json", "record.txt")
+CLASS_NAME = re.compile(r"^(any|[a-z0-9]+-[a-z0-9]+)$")
+
+
+@dataclass(frozen=True)
+class Record:
+    benchmark: str
+    cls: str
+    path: str  # the record's file, relative to the repository root
+    date: str  # "YYYY-MM-DD HH:MM" UTC
+    commit: str
+    cpu: str
+    command: str
+    final: dict[str, Any]
+
+    def index_entry(self) -> dict[str, str]:
+        return {"benchmark": self.benchmark, "class": self.cls, "path": self.path, "date": self.date,
+                "commit": self.commit, "cpu": self.cpu}
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+_DATE = re.compile(r"(\d{4}-\d{2}-\d{2})[T ](\d{2}:\d{2})")
+_STAMP = re.compile(r"^(\d{4})(\d{2})(\d{2})T(\d{2})(\d{2})")
+_COMMIT = re.compile(r"\bcommit ([0-9a-f]{7,40}(?:-dirty)?)")
+_CPU = re.compile(r"^#? ?(?:machine|CPU): ([^;,\n]+(?:\([^)]*\))?)", re.M)
+_COMMAND = re.compile(r"command: (.+?)\s*$|`((?:\.venv/bin/)?python benchmarks/[^`]+)`", re.M)
+
+
+def _date(text: str) -> str:
+    m = _DATE.search(text) or None
+    if m:
+        return f"{m.group(1)} {m.group(2)}"
+    s = _STAMP.match(text)
+    return f"{s.group(1)}-{s.group(2)}-{s.group(3)} {s.group(4)}:{s.group(5)}" if s else "unknown"
+
+
+def _last_json(text: str) -> dict[str, Any]:
+    """The run's JSON: the last line holding a JSON object (``after: {...}`` included)."""
+    for line in reversed(text.splitlines()):
+        start = line.find("{")
+        if start >= 0:
+            try:
+                value = json.loads(line[start:])
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return {}
+
+
+def parse(benchmark: str, cls: str, path: str, text: str) -> Record:
+    """One record from its file's text (``path`` says which kind)."""
+    if path.endswith(".json"):
+        data = json.loads(text)
+        host = data.get("machine") or {}
+        final = data.get("final", data)
+        date = _date(str(data.get("date") or (data.get("config") or {}).get("time") or ""))
+        return Record(benchmark, cls, path, date, str(host.get("commit", "unknown")), str(host.get("cpu", "unknown")),
+                      str(data.get("command") or ""), final)
+    final = _last_json(text)
+    first = text.splitlines()[0] if text else ""
+    commit = final.get("commit") or (m.group(1) if (m := _COMMIT.search(text)) else "unknown")
+    host = final.get("machine") if isinstance(final.get("machine"), dict) else {}
+    cpu = final.get("cpu") or host.get("cpu") or (m.group(1).strip() if (m := _CPU.search(text)) else "unknown")
+    command = next((g for m in _COMMAND.finditer(text) for g in m.groups() if g), "")
+    return Record(benchmark, cls, path, _date(first), str(commit), str(cpu), command, final)
+
+
+def load(slot: Path) -> Record:
+    """The record in ``benchmarks/results/<benchmark>/<class>/``."""
+    for name in RECORD_FILES:
+        file = slot / name
+        if file.exists():
+            if not CLASS_NAME.match(slot.name):
+                raise ValueError(f"{slot}: {slot.name!r} is not a machine class (machine.machine_class) nor 'any'")
+            # Named as in the repository, wherever ``slot`` lies (tests read records from a temporary folder).
+            path = f"{RESULTS.relative_to(ROOT).as_posix()}/{slot.parent.name}/{slot.name}/{name}"
+            return parse(slot.parent.name, slot.name, path, file.read_text())
+    raise FileNotFoundError(f"{slot}: no {' or '.join(RECORD_FILES)}")
+
+
+def records(results: Path = RESULTS) -> list[Record]:
+    slots = sorted(p for p in results.glob("*/*") if p.is_dir() and not p.name.endswith("-quick"))
+    return [load(s) for s in slots if any((s / n).exists() for n in RECORD_FILES)]
+
+
+# ---------------------------------------------------------------------------------------------- figures
+
+
+def _x(v: Any, digits: int = 2) -> str:
+    return "n/a" if v is None else f"{float(v):.{digits}f}×"
+
+
+def _n(v: Any, digits: int = 1) -> str:
+    return "n/a" if v is None else f"{float(v):,.{digits}f}"
+
+
+def _serving(f: dict[str, Any]) -> list[tuple[str, str]]:
+    loads = [k for k in ("32", "64") if f.get(f"workload_{k}")]
+    rows = [(f"chatsvc / vLLM output tok/s, {' / '.join(loads)} chats",
+             " / ".join(_x(f[f"workload_{k}"].get("ratio")) for k in loads))] if loads else []
+    for key, what in (("32", "32 chats"), ("64", "64 chats"), ("b", "64 multi-turn sessions"),
+                      ("c", "64 sessions, shared persona")):
+        w = f.get(f"workload_{key}")
+        if not w:
+            continue
+        rows.append((f"chatsvc / vLLM output tok/s, {what}",
+                     f"{_x(w.get('ratio'))} ({_n(w.get('ours_tok_s'))} / {_n(w.get('vllm_tok_s'))} tok/s)"))
+        rows.append((f"TTFT p50 / TPOT p50 ms, {what}, chatsvc vs vLLM",
+                     f"{_n(w.get('ours_ttft_p50'), 0)} / {_n(w.get('ours_tpot_p50'))} vs "
+                     f"{_n(w.get('vllm_ttft_p50'), 0)} / {_n(w.get('vllm_tpot_p50'))}"))
+    if f.get("served_over_offline") is not None:
+        rows.append(("served / offline engine tok/s (32 chats)", f"{float(f['served_over_offline']):.3f}"))
+    if f.get("persona_prefix_ratio") is not None:
+        rows.append(("persona prefix caching on / off", _x(f["persona_prefix_ratio"])))
+    rows.append(("rounds (ratios are medians over them)", str(f.get("rounds", "n/a"))))
+    return rows
+
+
+def _offline(f: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("engine / transformers static batching", f"{_x(f.get('speedup_vs_hf'))} "
+             f"({_n(f.get('engine_tok_s'))} / {_n(f.get('hf_static_tok_s'))} tok/s)"),
+            ("paged KV / max-length reservation", f"{_x(f.get('speedup_vs_max_len'))} "
+             f"({_n(f.get('engine_tok_s'))} / {_n(f.get('max_len_tok_s'))} tok/s)"),
+            ("KV utilization", _n(f.get("kv_utilization"), 3)), ("dtype", str(f.get("dtype", "n/a")))]
+
+
+def _cpu_attention(f: dict[str, Any]) -> list[tuple[str, str]]:
+    g = f.get("speedup_geomean", {})
+    rows = [("C++ paged attention / torch reference, geomean: decode, prefill, step",
+             f"{_x(g.get('decode'))}, {_x(g.get('prefill'))}, {_x(g.get('step'))}")]
+    if f.get("base"):
+        b = f.get("base_over_new_geomean", {})
+        rows.append((f"time at base {f['base']} / this commit: decode, prefill, step",
+                     f"{_x(b.get('decode'), 3)}, {_x(b.get('prefill'), 3)}, {_x(b.get('step'), 3)}"))
+    return rows + [("dtype, C++ build", f"{f.get('dtype')}, {f.get('isa')}")]
+
+
+def _step_ab(f: dict[str, Any]) -> list[tuple[str, str]]:
+    r, ms = f.get("base_over_new", {}), f.get("step_ms", {})
+    return [(f"decode step time at base {f.get('base')} / this commit, {rows} sequences",
+             f"{_x(r.get(rows), 3)} ({ms.get(rows, {}).get('base')} / {ms.get(rows, {}).get('new')} ms)")
+            for rows in sorted(r, key=int)]
+
+
+def _serving_ab(f: dict[str, Any]) -> list[tuple[str, str]]:
+    variant = " ".join(f.get("flags") or []) or " ".join(f"{k}={v}" for k, v in (f.get("env") or {}).items())
+    return [(f"`{variant}` / default output tok/s, workload {key}", _x(w.get("variant_over_base")))
+            for key, w in ((k[len("workload_"):], v) for k, v in f.items() if k.startswith("workload_"))]
+
+
+def _quantization(f: dict[str, Any]) -> list[tuple[str, str]]:
+    acc = f.get("accuracy", {})
+    # The int8 variant `--quantization int8` runs here (the kernel `auto` picks) first: it is the headline.
+    default = f"int8-{f.get('auto_kernel')} fp32"
+    names = sorted(acc, key=lambda name: name != default)
+    return [(f"{name}: next-token agreement with float32 (ShareGPT), KL nats",
+             f"{_n(acc[name]['sharegpt']['argmax_agreement'], 3)}, {_n(acc[name]['sharegpt']['kl'], 4)}")
+            for name in names if "sharegpt" in acc[name]]
+
+
+def _tensor_parallel(f: dict[str, Any]) -> list[tuple[str, str]]:
+    runs = {r["tp"]: r for r in f.get("runs", [])}
+    rows = [(f"TP={tp} output tok/s", _n(r["tok_s"])) for tp, r in sorted(runs.items())]
+    if 1 in runs and len(runs) > 1:
+        tp = max(runs)
+        rows.insert(0, (f"TP={tp} / TP=1 output tok/s", _x(runs[tp]["tok_s"] / runs[1]["tok_s"])))
+        rows.append((f"collectives' share of TP={tp} time", f"{runs[tp]['comm_share']:.0%}"))
+    return rows
+
+
+def _scale_out(f: dict[str, Any]) -> list[tuple[str, str]]:
+    s = f.get("setups", {})
+    rows = [(f"{name}: output tok/s, TTFT p50 ms, prefix hit rate",
+             f"{_n(v.get('output_tok_s'))}, {_n(v.get('ttft_p50_ms'), 0)}, {_n(v.get('prefix_hit_rate'), 2)}")
+            for name, v in s.items()]
+    if "affinity" in s and "random" in s:
+        rows.insert(0, ("affinity / random routing output tok/s",
+                        _x(s["affinity"]["output_tok_s"] / s["random"]["output_tok_s"])))
+    return rows
+
+
+def _gateway(f: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f"gateway CPU s per 1,000 streamed tokens, {mode}", _n(f.get(f"{mode}_gateway_cpu_s_per_1k"), 4))
+            for mode in ("openai", "ws", "sse") if f.get(f"{mode}_gateway_cpu_s_per_1k") is not None]
+
+
+def _soak(f: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("turns checked, lost, duplicated", f"{f.get('turns_checked')}, {f.get('lost')}, {f.get('duplicated')}"),
+            ("all checks pass", "yes" if f.get("ok") else "no"),
+            ("5xx outside the fault windows", str(f.get("http_5xx_outside_faults"))),
+            ("RSS growth", f"{f.get('rss_growth_pct')}%")]
+
+
+def _huge_pages(f: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f"decode step on 4 KiB / 2 MiB pages, {rows} sequences", _x(v, 3))
+            for rows, v in sorted(f.get("small_over_huge", {}).items(), key=lambda kv: int(kv[0]))]
+
+
+def _gemm_row_band(f: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("decode step of 32 sequences, padded to 33 rows / exact", _x(f.get("decode_padded_over_exact"), 3)),
+            ("packed linears, 32 rows / 33 rows", _x(f.get("band_over_33"), 3))]
+
+
+def _kv(f: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("KV utilization, paged / max-length reservation",
+             f"{_n(f.get('paged_utilization'), 3)} / {_n(f.get('max_len_utilization'), 3)}"),
+            ("mean running sequences, paged / max-length",
+             f"{_n(f.get('paged_mean_running'))} / {_n(f.get('max_len_mean_running'))}")]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    title: str
+    what: str
+    figures: Callable[[dict[str, Any]], list[tuple[str, str]]]
+
+
+# In the order the pages show them: the user-facing comparisons first, then the component benchmarks.
+BENCHMARKS: dict[str, Benchmark] = {
+    "serving_vs_vllm": Benchmark(
+        "Serving: chatsvc vs vLLM", "The same `chatsvc bench --mode openai` load against `chatsvc serve` and vLLM's "
+        "CPU backend on one machine, same model and dtype, in alternated rounds; ratios are medians over rounds.",
+        _serving),
+    "offline_throughput": Benchmark(
+        "Offline throughput", "200 ShareGPT prompts at once through the engine (`LLM.generate`), transformers' "
+        "static batching, and the engine with max-length KV reservation.", _offline),
+    "scale_out": Benchmark(
+        "Scale-out", "One `chatsvc serve` vs a gateway with two Redis-fed workers, routed by session/persona "
+        "affinity or at random.", _scale_out),
+    "gateway_overhead": Benchmark(
+        "Gateway CPU per token", "The gateway's own CPU per streamed token against a fake engine, per transport.",
+        _gateway),
+    "soak": Benchmark(
+        "Soak", "30 minutes of mixed session traffic with a Redis restart and an engine kill half-way: nothing lost, "
+        "nothing leaked.", _soak),
+    "kv_utilization": Benchmark(
+        "KV-cache utilization", "A simulated schedule of 1,000 requests: paged blocks vs one max-length "
+        "reservation per sequence (no model; the figures do not depend on the machine).", _kv),
+    "cpu_attention": Benchmark(
+        "CPU paged attention", "The C++ paged-attention kernel vs the torch reference on a decode step's inputs.",
+        _cpu_attention),
+    "step_ab": Benchmark(
+        "Decode step A/B", "The engine's decode step at a base commit and at the record's commit, in turns.", _step_ab),
+    "serving_ab": Benchmark(
+        "Serving A/B", "Two configurations of `chatsvc serve` on the same load in alternated rounds.", _serving_ab),
+    "quantization_accuracy": Benchmark(
+        "int8 quantization", "What `--quantization int8` costs in accuracy (vs float32 logits) and buys in "
+        "projection speed.", _quantization),
+    "tensor_parallel": Benchmark(
+        "Tensor parallelism", "Throughput of TP=1 vs TP=N on one machine and what the collectives cost.",
+        _tensor_parallel),
+    "huge_pages": Benchmark(
+        "Huge pages", "The decode step with torch's large allocations on 2 MiB vs 4 KiB pages.", _huge_pages),
+    "gemm_row_band": Benchmark(
+        "GEMM row band", "oneDNN's slow packed-GEMM row band and what padding out of it buys a decode step.",
+        _gemm_row_band),
+}
+
+
+def figures(r: Record) -> list[tuple[str, str]]:
+    spec = BENCHMARKS.get(r.benchmark)
+    try:
+        return spec.figures(r.final) if spec else []
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ValueError(f"{r.path}: its JSON lacks what the {r.benchmark} figures need ({exc!r})") from exc
+
+
+def _order(rs: list[Record]) -> list[Record]:
+    rank = {name: i for i, name in enumerate(BENCHMARKS)}
+    return sorted(rs, key=lambda r: (rank.get(r.benchmark, len(rank)), r.benchmark, r.cls))
+
+
+# ---------------------------------------------------------------------------------------------- the index
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def holding_commit(entry: dict[str, str]) -> str:
+    """The newest commit whose copy of ``entry['path']`` is the record of ``entry['date']``: its slot may hold a
+    newer record by now, committed or not."""
+    for sha in _git("log", "--format=%h", "--", entry["path"]).split():
+        text = _git("show", f"{sha}:{entry['path']}")
+        if text and parse(entry["benchmark"], entry["class"], entry["path"], text).date == entry["date"]:
+            return sha
+    return "unknown"
+
+
+def build_index(kept: list[Record], previous: dict[str, Any]) -> dict[str, Any]:
+    """The index of ``kept``; the records ``previous`` listed that are gone or replaced join its superseded
+    list (what the previous index said stays as it was)."""
+    now = {(r.benchmark, r.cls): r for r in kept}
+    superseded = list(previous.get("superseded", []))
+    for old in previous.get("records", []):
+        new = now.get((old["benchmark"], old["class"]))
+        if new is None or new.date != old["date"] or new.path != old["path"]:
+            why = (f"replaced by the record of {new.date}" if new is not None
+                   else "removed")
+            superseded.append({"path": old["path"], "commit": holding_commit(old), "benchmark": old["benchmark"],
+                               "class": old["class"], "date": old["date"], "why": why})
+    return {"generated_by": COMMAND, "records": [r.index_entry() for r in _order(kept)], "superseded": superseded}
+
+
+# ---------------------------------------------------------------------------------------------- pages
+
+
+def _link(r: Record, from_dir: str) -> str:
+    """``r``'s record folder as a relative link from ``from_dir`` (a folder relative to the repository)."""
+    depth = len(Path(from_dir).parts) if from_dir else 0
+    return "../" * depth + str(Path(r.path).parent.as_posix()) + "/"
+
+
+def readme_table(kept: list[Record]) -> str:
+    lines = [BEGIN, "", "| benchmark | machine class | figure | record |", "|---|---|---|---|"]
+    for r in _order(kept):
+        first = figures(r)[:1]
+        figure = f"{first[0][0]}: **{first[0][1]}**" if first else "see the record"
+        title = BENCHMARKS[r.benchmark].title if r.benchmark in BENCHMARKS else r.benchmark
+        lines.append(f"| {title} | `{r.cls}` | {figure} | [{r.date[:10]}]({_link(r, '')}) |")
+    return "\n".join([*lines, "", END])
+
+
+def performance_page(kept: list[Record]) -> str:
+    out = ["# Performance", "",
+           f"Generated by `{COMMAND}` from the records in [`benchmarks/results/`](../benchmarks/results/); do not edit "
+           "(`tests/test_results_index.py` fails when this page and the records disagree).", "",
+           "Each benchmark keeps its newest record per machine class. A class is the CPU's instruction-set tier "
+           "(lowered by any ISA cap the run was made under) and the model's dtype: `avx2-fp32` (AVX2, float32), "
+           "`avx512-bf16` (AVX-512 with native bf16), `amx-bf16` (AMX tiles, bf16); `any` where the figures do not "
+           "depend on the machine. Numbers are comparable within a class only: bf16 matmuls are several times "
+           "faster with AMX than on an AVX2 core. Each record names its CPU, cores, load averages, commit and "
+           "command. Superseded records are listed, with the commit that holds each, "
+           "in [`benchmarks/results/README.md`](../benchmarks/results/README.md).", ""]
+    by_benchmark: dict[str, list[Record]] = {}
+    for r in _order(kept):
+        by_benchmark.setdefault(r.benchmark, []).append(r)
+    for name, rs in by_benchmark.items():
+        spec = BENCHMARKS.get(name)
+        out += [f"## {spec.title if spec else name}", ""]
+        if spec:
+            out += [spec.what, ""]
+        out += [f"Script: [`benchmarks/{name}.py`](../benchmarks/{name}.py).", ""]
+        for r in rs:
+            where = "machine-independent" if r.cls == "any" else r.cpu
+            out += [f"### `{r.cls}`: {where}, {r.date} UTC, commit `{r.commit}`", "",
+                    f"Record: [`{Path(r.path).parent.as_posix()}/`]({_link(r, 'docs')})"
+                    + (f"; run as: `{r.command}`" if r.command else ""), ""]
+            rows = figures(r)
+            if rows:
+                out += ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def index_page(index: dict[str, Any]) -> str:
+    out = ["# Benchmark records", "",
+           f"Generated by `{COMMAND}`; do not edit. Each benchmark keeps its newest record per machine class in "
+           "`<benchmark>/<class>/` (see `benchmarks/machine.py`, `machine_class`); the figures are on "
+           "[`docs/performance.md`](../../docs/performance.md). A run replaces the record of its class (its "
+           "script writes there: `--output benchmarks/results/<benchmark>/$(python benchmarks/machine.py)/record.txt` "
+           "for the report-writing scripts, `serving_vs_vllm.py` by itself); then run the command above and commit "
+           "the record with the pages it changed. Superseded records stay in git history: `git show "
+           "<commit>:<path>` (or `git checkout <commit> -- <path>`) brings one back.", "",
+           "## Kept", "", "| benchmark | class | date (UTC) | commit | CPU | record |", "|---|---|---|---|---|---|"]
+    for e in index["records"]:
+        folder = Path(e["path"]).parent.relative_to("benchmarks/results").as_posix()
+        out.append(f"| {e['benchmark']} | `{e['class']}` | {e['date']} | `{e['commit']}` | {e['cpu']} | "
+                   f"[`{folder}/`]({folder}/) |")
+    out += ["", "## Superseded", "", "| path | held by commit | class | date | why |", "|---|---|---|---|---|"]
+    for e in index["superseded"]:
+        out.append(f"| `{e['path']}` | `{e['commit']}` | {e.get('class') or ''} | {e.get('date') or ''} | {e['why']} |")
+    return "\n".join(out) + "\n"
+
+
+def with_readme_table(readme: str, table: str) -> str:
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md lacks the generated table's markers:\n{BEGIN}\n{END}")
+    return readme[:start] + table + readme[end + len(END):]
+
+
+def render(results: Path = RESULTS) -> dict[Path, str]:
+    """Every generated file and what it should hold, from the records and the index's superseded list."""
+    kept = records(results)
+    previous = json.loads(INDEX_JSON.read_text()) if INDEX_JSON.exists() else {}
+    index = build_index(kept, previous)
+    return {INDEX_JSON: json.dumps(index, indent=1) + "\n", INDEX_MD: index_page(index),
+            PERFORMANCE_MD: performance_page(kept), README: with_readme_table(README.read_text(), readme_table(kept))}
+
+
+def stale(pages: dict[Path, str]) -> list[Path]:
+    return [p for p, text in pages.items() if not p.exists() or p.read_text() != text]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
+    a = ap.parse_args()
+    pages = render()
+    old = stale(pages)
+    if a.check:
+        for p in old:
+            print(f"stale: {p.relative_to(ROOT)} (run `{COMMAND}`)", file=sys.stderr)
+        return 1 if old else 0
+    for p in old:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(pages[p])
+        print(f"wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""benchmarks/results_index.py: the pages that show benchmark results are generated from the records, and
+the committed ones match them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load() -> ModuleType:
+    # benchmarks/ is a folder of scripts, not an installed package: load the module from its file.
+    spec = importlib.util.spec_from_file_location("bench_results_index", ROOT / "benchmarks" / "results_index.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+ri = _load()
+
+TXT_RECORD = """# 2026-12-02T23:02:50Z  commit bbb0ced  command: python benchmarks/step_ab.py --rows 32,64
+machine: AMD EPYC (family 26 model 2); ISA avx2 avx512f avx512_bf16 avx512_vnni; 2 cores; commit bbb0ced; dtype bfloat16
+decode step, ms: ...
+{"base": "24f59c9", "step_ms": {"32": {"base": 31.18, "new": 27.04}}, "base_over_new": {"32": 1.151}}
+"""
+
+
+def _serving_record(date: str, ratio: float) -> str:
+    w = {"ratio": ratio, "ours_tok_s": 700.0, "vllm_tok_s": 700.0 / ratio, "ours_ttft_p50": 900.0,
+         "vllm_ttft_p50": 1300.0, "ours_tpot_p50": 37.0, "vllm_tpot_p50": 49.0}
+    return json.dumps({"date": date, "command": "benchmarks/serving_vs_vllm.py --workloads 32",
+                       "machine": {"cpu": "AMD EPYC", "isa": ["avx2"], "commit": "abc1234"},
+                       "final": {"workload_32": w, "served_over_offline": 0.93, "rounds": 3}})
+
+
+def _slot(results: Path, benchmark: str, cls: str, name: str, text: str) -> Path:
+    slot = results / benchmark / cls
+    slot.mkdir(parents=True)
+    (slot / name).write_text(text)
+    return slot
+
+
+def test_committed_pages_match_the_records() -> None:
+    """docs/performance.md, the results index and README's table are what the records give today."""
+    stale = [str(p.relative_to(ROOT)) for p in ri.stale(ri.render())]
+    assert not stale, f"stale: {', '.join(stale)}; regenerate them with `{ri.COMMAND}` and commit the result"
+
+
+def test_every_kept_record_has_figures_and_a_machine() -> None:
+    kept = ri.records()
+    assert {r.benchmark for r in kept} <= set(ri.BENCHMARKS), "a benchmark without a figures function"
+    for r in kept:
+        assert ri.figures(r), r.path
+        assert r.date != "unknown" and r.commit != "unknown", r.path
+        assert (ROOT / r.path).is_file()
+
+
+def test_a_txt_record_is_read_from_its_header_and_last_json_line() -> None:
+    r = ri.parse("step_ab", "avx512-bf16", "benchmarks/results/step_ab/avx512-bf16/record.txt", TXT_RECORD)
+    assert (r.date, r.commit, r.cpu) == ("2026-12-02 23:02", "bbb0ced", "AMD EPYC (family 26 model 2)")
+    assert r.command == "python benchmarks/step_ab.py --rows 32,64"
+    assert ri.figures(r) == [("decode step time at base 24f59c9 / this commit, 32 sequences",
+                              "1.151× (31.18 / 27.04 ms)")]
+
+
+def test_a_json_record_is_read_from_its_fields() -> None:
+    r = ri.parse("serving_vs_vllm", "avx2-fp32", "x/record.json", _serving_record("20261203T040715Z", 1.4))
+    assert (r.date, r.commit, r.cpu) == ("2026-12-03 04:07", "abc1234", "AMD EPYC")
+    assert ri.figures(r)[:2] == [("chatsvc / vLLM output tok/s, 32 chats", "1.40×"),
+                                 ("chatsvc / vLLM output tok/s, 32 chats", "1.40× (700.0 / 500.0 tok/s)")]
+
+
+def test_records_are_found_by_benchmark_and_class(tmp_path: Path) -> None:
+    _slot(tmp_path, "step_ab", "avx512-bf16", "record.txt", TXT_RECORD)
+    _slot(tmp_path, "serving_vs_vllm", "avx2-fp32", "record.json", _serving_record("20261203T040715Z", 1.4))
+    _slot(tmp_path, "serving_vs_vllm", "avx2-fp32-quick", "record.json", _serving_record("20261203T050000Z", 9.0))
+    (tmp_path / "serving_vs_vllm" / "empty").mkdir()
+    found = {(r.benchmark, r.cls) for r in ri.records(tmp_path)}
+    assert found == {("step_ab", "avx512-bf16"), ("serving_vs_vllm", "avx2-fp32")}
+
+
+def test_a_record_outside_a_class_folder_is_refused(tmp_path: Path) -> None:
+    _slot(tmp_path, "step_ab", "My Machine", "record.txt", TXT_RECORD)
+    with pytest.raises(ValueError, match="not a machine class"):
+        ri.records(tmp_path)
+
+
+def test_a_replaced_record_joins_the_superseded_list() -> None:
+    new = ri.parse("serving_vs_vllm", "avx2-fp32", "benchmarks/results/serving_vs_vllm/avx2-fp32/record.json",
+                   _serving_record("20261204T000000Z", 1.2))
+    old_entry = {**new.index_entry(), "date": "2026-12-02 07:37"}
+    gone = {"benchmark": "huge_pages", "class": "amx-bf16", "path": "benchmarks/results/nowhere/record.txt",
+            "date": "2026-12-01 00:00", "commit": "abc", "cpu": "x"}
+    earlier = {"path": "benchmarks/results/step_ab.txt", "commit": "0dff254", "why": "run-by-run log"}
+    index = ri.build_index([new], {"records": [old_entry, gone], "superseded": [earlier]})
+    assert index["records"] == [new.index_entry()]
+    assert index["superseded"][0] == earlier  # what the previous index said stays as it was
+    replaced, removed = index["superseded"][1:]
+    assert (replaced["path"], replaced["date"], replaced["why"]) == (
+        new.path, "2026-12-02 07:37", "replaced by the record of 2026-12-04 00:00")
+    assert removed["why"] == "removed" and removed["commit"] == "unknown"  # no commit ever held it
+    # The next run sees the index it wrote: nothing more is superseded.
+    assert ri.build_index([new], index) == index
+
+
+def test_the_commit_holding_a_superseded_record_is_found_in_history() -> None:
+    """The serving record of avx512-bf16 kept today was committed: its commit is found from its date."""
+    kept = {(r.benchmark, r.cls): r for r in ri.records()}
+    r = kept.get(("serving_vs_vllm", "avx512-bf16"))
+    if r is None:
+        pytest.skip("no avx512-bf16 serving record kept")
+    sha = ri.holding_commit(r.index_entry())
+    if sha == "unknown":
+        pytest.skip("the record is not committed yet")
+    assert ri._git("cat-file", "-t", sha) == "commit"
+
+
+def test_the_readme_table_links_every_kept_record() -> None:
+    kept = ri.records()
+    table = ri.readme_table(kept)
+    assert table.startswith(ri.BEGIN) and table.endswith(ri.END)
+    for r in kept:
+        link = Path(r.path).parent.as_posix() + "/"
+        assert f"]({link})" in table, link
+        assert (ROOT / link).is_dir()
+
+
+def test_the_readme_needs_its_markers() -> None:
+    with pytest.raises(ValueError, match="markers"):
+        ri.with_readme_table("# no table here\n", "table")
+    replaced = ri.with_readme_table(f"a\n{ri.BEGIN}\nold\n{ri.END}\nb\n", "NEW")
+    assert replaced == "a\nNEW\nb\n"
+
+
+def test_check_mode_reports_stale_pages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = tmp_path / "performance.md"
+    page.write_text("old\n")
+    monkeypatch.setattr(ri, "render", lambda: {page: "new\n"})
+    monkeypatch.setattr(ri, "ROOT", tmp_path)
+    monkeypatch.setattr("sys.argv", ["results_index.py", "--check"])
+    assert ri.main() == 1 and page.read_text() == "old\n"
+    monkeypatch.setattr("sys.argv", ["results_index.py"])
+    assert ri.main() == 0 and page.read_text() == "new\n"
