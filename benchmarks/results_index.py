@@ -102,8 +102,10 @@ def parse(benchmark: str, cls: str, path: str, text: str) -> Record:
     final = _last_json(text)
     first = text.splitlines()[0] if text else ""
     commit = final.get("commit") or (m.group(1) if (m := _COMMIT.search(text)) else "unknown")
-    host = final.get("machine") if isinstance(final.get("machine"), dict) else {}
-    cpu = final.get("cpu") or host.get("cpu") or (m.group(1).strip() if (m := _CPU.search(text)) else "unknown")
+    machine = final.get("machine")
+    recorded_host: dict[str, Any] = machine if isinstance(machine, dict) else {}
+    cpu = (final.get("cpu") or recorded_host.get("cpu")
+           or (m.group(1).strip() if (m := _CPU.search(text)) else "unknown"))
     command = next((g for m in _COMMAND.finditer(text) for g in m.groups() if g), "")
     return Record(benchmark, cls, path, _date(first), str(commit), str(cpu), command, final)
 
