@@ -28,7 +28,9 @@ import pytest
 pytestmark = [pytest.mark.browser, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
+# Screenshots go to a test's temporary directory; to refresh the ones in docs/ on purpose, point this
+# variable at docs/ (the page must then show what the README says it shows).
+SCREENSHOT_DIR_ENV = "CHATSVC_SCREENSHOT_DIR"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -251,7 +253,12 @@ def test_api_key_is_asked_once_and_kept(open_tab: Callable[..., Tab], server: Se
     assert page.evaluate("localStorage.getItem('chatsvc.apiKey')") == API_KEY
 
 
-def test_reply_streams_then_history_survives_reload(open_tab: Callable[..., Tab], server: Server) -> None:
+def screenshot_dir(tmp_path: Path) -> Path:
+    return Path(os.environ.get(SCREENSHOT_DIR_ENV) or tmp_path)
+
+
+def test_reply_streams_then_history_survives_reload(open_tab: Callable[..., Tab], server: Server,
+                                                    tmp_path: Path) -> None:
     page = open_tab().page
     sid = start_chat(page, "pirate", max_tokens=24)
     page.fill("#input", "Hello captain!")
@@ -295,8 +302,9 @@ def test_reply_streams_then_history_survives_reload(open_tab: Callable[..., Tab]
     page.click("#options summary")
     send(page, "Tell me about your crew in a short list.")
     wait_reply_done(page)
-    DOCS.mkdir(exist_ok=True)
-    page.screenshot(path=str(DOCS / "screenshot-chat.png"))
+    shot = screenshot_dir(tmp_path) / "screenshot-chat.png"
+    page.screenshot(path=str(shot))
+    assert shot.stat().st_size > 0
 
 
 def test_stop_keeps_the_partial_reply(open_tab: Callable[..., Tab], server: Server) -> None:
@@ -402,7 +410,7 @@ def test_reload_mid_reply_resumes_the_same_reply(open_tab: Callable[..., Tab], s
 
 
 def test_memory_view_shows_a_persona_prompt_shared_by_two_sessions(
-        open_tab: Callable[..., Tab], server: Server) -> None:
+        open_tab: Callable[..., Tab], server: Server, tmp_path: Path) -> None:
     first = open_tab().page
     start_chat(first, "tutor", max_tokens=200)
     second = open_tab().page
@@ -422,8 +430,9 @@ def test_memory_view_shows_a_persona_prompt_shared_by_two_sessions(
     assert shared > 0 and pinned > 0
     assert int(second.locator("[data-stat='running']").inner_text()) >= 1
     assert int(second.locator("[data-stat='session']").inner_text()) > 0
-    DOCS.mkdir(exist_ok=True)
-    second.screenshot(path=str(DOCS / "screenshot-memory.png"))
+    shot = screenshot_dir(tmp_path) / "screenshot-memory.png"
+    second.screenshot(path=str(shot))
+    assert shot.stat().st_size > 0
     for page in (first, second):
         if page.locator("#stop").is_visible():
             page.click("#stop")
