@@ -15,7 +15,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from chatsvc.settings import Settings, api_keys_from_env, default_data_dir
+from chatsvc.settings import Settings, api_keys_from_env, default_data_dir, flag_fields
+from chatsvc.worker import DEFAULT_TTL_S, DRAIN_TIMEOUT_S
 from engine.client import EngineClient
 from engine.config import EngineConfig, literal_choices
 
@@ -50,22 +51,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host names (fnmatch, '*' for any) the server answers to; default: "
                         "localhost, 127.0.0.1, [::1] and --host")
-    p.add_argument("--max-personas-per-key", type=int, default=16)
-    p.add_argument("--max-streams-per-key", type=int, default=8, help="concurrent generations per API key")
-    p.add_argument("--max-sessions-per-minute", type=int, default=30, help="new sessions per API key a minute")
-    p.add_argument("--max-sockets-per-key", type=int, default=16, help="open WebSockets per API key")
-    p.add_argument("--max-waiting-share", type=float, default=0.25,
-                   help="share of the engine's waiting queue one API key's requests may hold")
-    p.add_argument("--max-pinned-fraction", type=float, default=0.25,
-                   help="share of the KV pool persona pins may hold; least recently used are unpinned past it")
-    p.add_argument("--session-ttl", type=int, default=7 * 24 * 3600, help="idle session TTL in seconds")
-    p.add_argument("--abort-grace", type=float, default=3.0,
-                   help="seconds a session reply keeps generating without readers before it is aborted")
+    add_settings_arguments(p)
     p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="the gateway's event loop (auto: uvloop where installed)")
     p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
                    help="HTTP/1.1 parser (auto: httptools where installed)")
     p.add_argument("--log-level", default="info")
+
+
+def add_settings_arguments(p: argparse.ArgumentParser) -> None:
+    """A flag for each gateway setting that names one (``Settings`` holds its default, type and help)."""
+    hints = typing.get_type_hints(Settings)
+    for f in flag_fields():
+        p.add_argument(f.metadata["flag"], dest=f.name, type=hints[f.name], default=f.default,
+                       help=f.metadata["help"])
 
 
 # Engine flags are generated from EngineConfig's fields: --field-name (a bool that defaults to True becomes
@@ -136,13 +135,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.allowed_hosts:
         hosts = _csv(args.allowed_hosts)
     origins = _csv(args.allowed_origins) if args.allowed_origins else Settings().allowed_origins
-    return Settings(api_keys=keys, allowed_origins=origins, session_ttl_s=args.session_ttl,
-                    abort_grace_s=args.abort_grace, allowed_hosts=hosts, admin_keys=admins,
-                    max_personas_per_key=args.max_personas_per_key,
-                    max_pinned_fraction=args.max_pinned_fraction,
-                    metrics_key=args.metrics_key or None, max_streams_per_key=args.max_streams_per_key,
-                    max_sessions_per_minute=args.max_sessions_per_minute,
-                    max_sockets_per_key=args.max_sockets_per_key, max_waiting_share=args.max_waiting_share)
+    return Settings(api_keys=keys, allowed_origins=origins, allowed_hosts=hosts, admin_keys=admins,
+                    metrics_key=args.metrics_key or None, **{f.name: getattr(args, f.name) for f in flag_fields()})
 
 
 def remote_engine(args: argparse.Namespace, redis_url: str) -> EngineClient:
@@ -150,7 +144,7 @@ def remote_engine(args: argparse.Namespace, redis_url: str) -> EngineClient:
     from chatsvc.remote_engine import RemoteEngine
     from chatsvc.router import Router
 
-    kwargs: dict[str, Any] = {"router": Router(policy=args.route_policy), "session_ttl_s": args.session_ttl}
+    kwargs: dict[str, Any] = {"router": Router(policy=args.route_policy), "session_ttl_s": args.session_ttl_s}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     return RemoteEngine.from_url(redis_url, args.model, **kwargs)
@@ -235,10 +229,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), required="REDIS_URL" not in os.environ,
                    help="the Redis the gateways use (default: $REDIS_URL)")
     p.add_argument("--name", default=None, help="worker name (default: the host name); the id adds pid and a nonce")
-    p.add_argument("--heartbeat-ttl", type=float, default=3.0,
+    p.add_argument("--heartbeat-ttl", type=float, default=DEFAULT_TTL_S,
                    help="seconds without a heartbeat after which gateways take the worker for dead and move its "
                         "requests (it beats every quarter of this)")
-    p.add_argument("--drain-timeout", type=float, default=600.0,
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on SIGTERM, how long running requests may take to finish before the worker exits")
     add_engine_arguments(p)
     p.add_argument("--engine", choices=["process", "thread"], default="process",

@@ -1,10 +1,23 @@
-"""Gateway settings: one frozen dataclass built by the CLI (or by tests) and passed to create_app."""
+"""Gateway settings: one frozen dataclass built by the CLI (or by tests) and passed to create_app.
+
+Each default is written once, here: a field the CLI exposes names its flag and help in its metadata
+(``_flag``) and ``chatsvc serve`` builds that flag from the field. The TTLs of session keys are constants
+here too, for the modules that write such keys without a ``Settings`` at hand.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+# An idle session (its hash, messages, owner index and engine-worker affinity) expires this long after
+# its last turn.
+SESSION_TTL_S = 7 * 24 * 3600
+# Reply streams only exist for resuming a reply, so they expire soon after it ends.
+STREAM_TTL_S = 300
 
 
 def default_data_dir() -> Path:
@@ -23,18 +36,23 @@ def api_keys_from_env(name: str = "CHATSVC_API_KEYS") -> tuple[str, ...]:
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
+def _flag(default: Any, flag: str, help: str) -> Any:  # noqa: A002 - argparse's word
+    """A setting ``chatsvc serve`` sets with ``flag`` (its type is the field's)."""
+    return field(default=default, metadata={"flag": flag, "help": help})
+
+
 @dataclass(frozen=True)
 class Settings:
     # Empty = no auth: every caller is the same anonymous owner.
     api_keys: tuple[str, ...] = ()
     # fnmatch patterns for browser Origins (WebSocket, state-changing HTTP) besides the server's own origin.
     allowed_origins: tuple[str, ...] = ()
-    session_ttl_s: int = 7 * 24 * 3600
-    # Reply streams only exist for resuming a reply, so they expire soon after it ends.
-    stream_ttl_s: int = 300
+    session_ttl_s: int = _flag(SESSION_TTL_S, "--session-ttl", "idle session TTL in seconds")
+    stream_ttl_s: int = STREAM_TTL_S
     # A session reply whose last reader left (SSE disconnect, abnormal WS close) is aborted after this grace,
     # unless a client resumes it; an explicit cancel or a clean WS close aborts at once.
-    abort_grace_s: float = 3.0
+    abort_grace_s: float = _flag(
+        3.0, "--abort-grace", "seconds a session reply keeps generating without readers before it is aborted")
     max_body_bytes: int = 1 << 20
     max_message_chars: int = 32_000
     max_ws_frame_bytes: int = 64 * 1024
@@ -47,17 +65,18 @@ class Settings:
     allowed_hosts: tuple[str, ...] = LOOPBACK_HOSTS
     # Keys that may also write the shared personas (each is an API key too).
     admin_keys: tuple[str, ...] = ()
-    max_personas_per_key: int = 16
-    # Share of the device KV pool persona pins may hold; past it the least recently used are unpinned.
-    max_pinned_fraction: float = 0.25
+    max_personas_per_key: int = _flag(16, "--max-personas-per-key", "personas each API key may own")
+    max_pinned_fraction: float = _flag(
+        0.25, "--max-pinned-fraction",
+        "share of the KV pool persona pins may hold; least recently used are unpinned past it")
     # When set, /metrics needs it as a bearer token.
     metrics_key: str | None = None
     # A non-streamed reply with logprobs is built whole: n x max_tokens x (1 + top) entries at most.
     max_logprob_entries: int = 200_000
     # Per-key quotas (only with API keys).
-    max_streams_per_key: int = 8
-    max_sessions_per_minute: int = 30
-    max_sockets_per_key: int = 16
+    max_streams_per_key: int = _flag(8, "--max-streams-per-key", "concurrent generations per API key")
+    max_sessions_per_minute: int = _flag(30, "--max-sessions-per-minute", "new sessions per API key a minute")
+    max_sockets_per_key: int = _flag(16, "--max-sockets-per-key", "open WebSockets per API key")
     # A WebSocket must authenticate within this, is closed after this long without a frame while no reply
     # streams, and may send this many frames a second (bursts of twice that).
     ws_auth_timeout_s: float = 10.0
@@ -66,9 +85,15 @@ class Settings:
     max_readers_per_reply: int = 8
     # Requests of one key admitted and still waiting for their first token, as a share of the engine's
     # waiting queue (--max-waiting): one key cannot fill the queue and lock every other key out.
-    max_waiting_share: float = 0.25
+    max_waiting_share: float = _flag(
+        0.25, "--max-waiting-share", "share of the engine's waiting queue one API key's requests may hold")
     # Lifetime (and longest a client may ask for) of the access tokens POST /v1/auth/token issues.
     access_token_ttl_s: int = 900
     # An SSE send that does not complete in this long (a reader whose TCP window stays full) ends the
     # stream: its generation is aborted, or its session turn loses a reader (grace/abort rules).
     sse_send_timeout_s: float = 30.0
+
+
+def flag_fields() -> tuple[dataclasses.Field[Any], ...]:
+    """The settings that have a ``chatsvc serve`` flag of their own."""
+    return tuple(f for f in dataclasses.fields(Settings) if "flag" in f.metadata)

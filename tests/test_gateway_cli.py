@@ -161,3 +161,34 @@ def test_every_engine_setting_has_a_flag_that_reaches_the_config() -> None:
         else:
             argv, want = [flag, "7"], 7
         assert getattr(engine_config(parser.parse_args(argv)), f.name) == want, f.name
+
+
+def test_every_gateway_setting_with_a_flag_defaults_to_settings_and_reaches_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway default is written once, in Settings: the flag's default is the field's, and a value given on
+    the command line reaches the field."""
+    from chatsvc.cli import settings_from_args
+    from chatsvc.settings import Settings, flag_fields
+
+    for env in ("CHATSVC_API_KEYS", "CHATSVC_ADMIN_KEYS", "CHATSVC_METRICS_KEY"):
+        monkeypatch.delenv(env, raising=False)
+
+    parser = _serve_parser()
+    fields = flag_fields()
+    assert {f.metadata["flag"] for f in fields} >= {"--session-ttl", "--abort-grace", "--max-waiting-share"}
+    assert settings_from_args(parser.parse_args([])) == Settings()
+    for f in fields:
+        value = f.default * 2 + 1
+        got = settings_from_args(parser.parse_args([f.metadata["flag"], str(value)]))
+        assert getattr(got, f.name) == value, f.name
+        assert type(getattr(got, f.name)) is type(f.default), f.name
+
+
+def test_worker_flags_default_to_the_workers_own() -> None:
+    from chatsvc.cli import add_worker_arguments
+    from chatsvc.worker import DEFAULT_TTL_S, DRAIN_TIMEOUT_S
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser)
+    args = parser.parse_args(["--redis-url", "redis://localhost:1"])
+    assert (args.heartbeat_ttl, args.drain_timeout) == (DEFAULT_TTL_S, DRAIN_TIMEOUT_S)

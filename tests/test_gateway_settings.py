@@ -22,3 +22,12 @@ def test_defaults_are_closed() -> None:
     assert 0 < s.max_pinned_fraction <= 0.25
     with pytest.raises(AttributeError):
         s.api_keys = ("x",)  # type: ignore[misc]  # frozen: built once, passed around
+
+
+def test_every_flagged_setting_has_its_flag_and_help() -> None:
+    from chatsvc.settings import flag_fields
+
+    flags = [f.metadata["flag"] for f in flag_fields()]
+    assert len(flags) == len(set(flags)) and all(f.startswith("--") for f in flags)
+    assert all(f.metadata["help"] for f in flag_fields())
+    assert "session_ttl_s" in {f.name for f in flag_fields()}
