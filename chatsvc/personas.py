@@ -9,7 +9,6 @@ kept), and a persona that alone would exceed it is refused before anything is st
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections import OrderedDict
@@ -18,7 +17,7 @@ from typing import Any
 from chatsvc.errors import APIError
 from chatsvc.offload import Offload
 from chatsvc.settings import Settings
-from chatsvc.store import P, Store
+from chatsvc.store.personas import PersonaLimitReached, PersonaStore
 from engine.client import EngineClient
 
 log = logging.getLogger("chatsvc.personas")
@@ -78,14 +77,10 @@ def pin_key(name: str, owner: str | None = None) -> str:
     return f"persona:{name}" if owner is None else f"persona:{owner}:{name}"
 
 
-def _own_key(owner: str) -> str:
-    return f"{P}owner:{owner}:personas"
-
-
 class Personas:
     """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
-    def __init__(self, engine: EngineClient, store: Store, settings: Settings | None = None,
+    def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings | None = None,
                  offload: Offload | None = None) -> None:
         self.engine = engine
         self.store = store
@@ -97,10 +92,10 @@ class Personas:
     # -- storage ----------------------------------------------------------------------------------
     async def get(self, owner: str, name: str) -> tuple[str, dict[str, str]] | None:
         """(scope, body) of the persona ``owner`` sees under ``name`` (their own first); marks it used."""
-        raw = await self.store.r.hget(_own_key(owner), name)
-        if raw is not None:
+        own = await self.store.get_persona(name, owner)
+        if own is not None:
             self._touch(pin_key(name, owner))
-            return owner, json.loads(raw)
+            return owner, own
         body = await self.store.get_persona(name)
         if body is None:
             return None
@@ -108,7 +103,7 @@ class Personas:
         return SHARED, body
 
     async def visible(self, owner: str) -> list[dict[str, Any]]:
-        own = {n: json.loads(b) for n, b in (await self.store.r.hgetall(_own_key(owner))).items()}
+        own = await self.store.list_personas(owner)
         shared = await self.store.list_personas()
         out = [{"name": n, **b, "scope": "own", "pinned_tokens": self.pinned.get(pin_key(n, owner), 0)}
                for n, b in own.items()]
@@ -133,18 +128,17 @@ class Personas:
             created = await self.store.put_persona(name, body)
             key = pin_key(name)
         else:
-            own = _own_key(owner)
-            count = int(await self.store.r.hlen(own))
-            if count >= self.settings.max_personas_per_key and not await self.store.r.hexists(own, name):
+            try:
+                created = await self.store.put_persona(name, body, owner, limit=self.settings.max_personas_per_key)
+            except PersonaLimitReached:
                 raise APIError(403, f"at most {self.settings.max_personas_per_key} personas per key",
-                               code="persona_limit_reached")
-            created = bool(await self.store.r.hset(own, name, json.dumps(body)))
+                               code="persona_limit_reached") from None
             key = pin_key(name, owner)
         return created, await self._pin(key, ids)
 
     async def delete(self, owner: str, admin: bool, name: str) -> bool:
         """Delete the caller's own persona of that name, else (admins only) the shared one."""
-        if await self.store.r.hdel(_own_key(owner), name):
+        if await self.store.delete_persona(name, owner):
             self._unpin(pin_key(name, owner))
             return True
         if not admin:

@@ -55,13 +55,16 @@ from chatsvc.offload import Offload
 from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
+from chatsvc.store.keys import stream_key
 from chatsvc.wire import delta_event
 from engine.client import Adoptable, EngineClient
 
 log = logging.getLogger("chatsvc.turns")
 T = TypeVar("T")
 TERMINAL = ("done", "error")
-HEARTBEAT_S = 3.0  # instance heartbeat and lock refresh period (store.INSTANCE_TTL_S, LOCK_TTL_S: 10 s, 30 s)
+# Instance heartbeat and lock refresh period: several beats fit in store.liveness's INSTANCE_TTL_S and
+# LOCK_TTL_S, so one slow beat (or a short Redis hiccup) neither makes this instance look dead nor loses a lock.
+HEARTBEAT_S = 3.0
 STORE_RETRY_S = 60.0  # how long a finished reply waits in memory for an unreachable Redis
 READER_LEASE_S = 10.0  # a reader on another gateway counts this long after its gateway last renewed it
 PEER_POLL_S = 0.5  # how often a turn without local readers looks for readers on other gateways
@@ -255,7 +258,7 @@ class TurnRegistry:
         """Pass a reply's deltas to its readers, then store it: the path of a turn generated here and of one
         taken over from a dead gateway. ``reason`` is the finish reason if no delta is read at all."""
         last: Any = None
-        key = self.store.stream_key(at.session_id, at.turn)
+        key = stream_key(at.session_id, at.turn)
         try:
             if deltas is not None and not at.abort_requested:
                 reason = "abort"
@@ -520,14 +523,10 @@ class TurnRegistry:
             with contextlib.suppress(RedisError):
                 await self.store.retire()
 
-    async def follow(self, session_id: str, turn: int, after: str) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """Events of one reply after stream id ``after``, until its done/error event (or until it is gone)."""
-        async for eid, ev, _ in self.follow_json(session_id, turn, after):
-            yield eid, ev
-
     async def follow_json(self, session_id: str, turn: int,
                           after: str) -> AsyncIterator[tuple[str, dict[str, Any], str]]:
-        """:meth:`follow`, with each event's JSON as stored."""
+        """Events of one reply after stream id ``after``, until its done/error event (or until it is gone):
+        (event id, event, its JSON as stored)."""
         at = self.active.get(session_id)
         if at is not None and at.turn == turn and (after == "0" or _STREAM_ID.fullmatch(after)):
             # The turn runs here: follow its log; what it holds is exactly the stream's content so far.

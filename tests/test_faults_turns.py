@@ -20,6 +20,7 @@ from serve_process import PersistentRedis, Serve, assert_alternating, sse_json
 from websockets.sync.client import ClientConnection, connect
 
 from chatsvc.store import session_key
+from chatsvc.store.keys import stream_key
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
@@ -216,7 +217,7 @@ def test_the_keepalive_recovers_a_dead_instances_turn_and_refreshes_its_own_lock
         ghost = Store.from_url(redis_proc.url, instance="ghost:1")
         await ghost.heartbeat()
         assert await ghost.begin_turn(sid, {"role": "user", "content": "hi"}) == 1
-        await ghost.append_event(sid, 1, {"type": "delta", "text": "part", "tokens": 1})
+        await ghost.append_events([(stream_key(sid, 1), json.dumps({"type": "delta", "text": "part", "tokens": 1}))])
         await ghost.close()
 
     asyncio.run(ghost_turn())

@@ -13,6 +13,7 @@ from gateway_fixtures import redis_proc, redis_url  # noqa: F401
 
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, Store
+from chatsvc.store.keys import stream_key
 from chatsvc.turns import ActiveTurn, TurnRegistry, event_id
 
 
@@ -41,7 +42,7 @@ async def stored(store: Store, key: str) -> list[tuple[str, str]]:
 
 async def test_events_of_one_pass_share_a_pipeline_and_keep_their_order(store: CountingStore) -> None:
     writer = EventWriter(store)
-    keys = [store.stream_key(f"s{i}", 1) for i in range(4)]
+    keys = [stream_key(f"s{i}", 1) for i in range(4)]
     got: dict[str, list[str]] = {k: [] for k in keys}
 
     def done(key: str) -> Any:
@@ -71,7 +72,7 @@ async def test_events_of_one_pass_share_a_pipeline_and_keep_their_order(store: C
 
 async def test_a_failed_stream_refuses_later_events_but_not_its_final_one(store: CountingStore) -> None:
     writer = EventWriter(store)
-    bad, good = store.stream_key("bad", 1), store.stream_key("good", 1)
+    bad, good = stream_key("bad", 1), stream_key("good", 1)
     await store.r.set(bad, "not a stream")  # XADD on it fails with WRONGTYPE, in the same MULTI as good's
     errors: list[BaseException] = []
     for i in range(3):
@@ -103,7 +104,7 @@ async def test_readers_resuming_mid_stream_see_no_gap_or_duplicate(store: Counti
     sid, turn = "s-resume", 2
     at = ActiveTurn(sid, turn, f"{sid}-{turn}", "assistant")
     reg.active[sid] = at
-    key = store.stream_key(sid, turn)
+    key = stream_key(sid, turn)
     early = asyncio.create_task(collect(reg, sid, turn, "0"))  # attached before the first event
     events = [{"type": "delta", "text": f"t{i} ", "tokens": 1} for i in range(20)]
     for start in range(0, 20, 5):  # written in batches of five (one engine step's worth each)
@@ -152,7 +153,7 @@ async def test_a_turn_that_ends_without_its_final_event_falls_back_to_redis(stor
     sid, turn = "s-cut", 1
     at = ActiveTurn(sid, turn, f"{sid}-{turn}", "assistant")
     reg.active[sid] = at
-    key = store.stream_key(sid, turn)
+    key = stream_key(sid, turn)
     ev = {"type": "delta", "text": "partial", "tokens": 1}
     reader = asyncio.create_task(collect(reg, sid, turn, "0"))
     reg._emit(at, key, ev, json.dumps(ev))

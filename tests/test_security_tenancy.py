@@ -175,7 +175,7 @@ def test_a_bad_stored_persona_does_not_stop_the_others(redis_proc, tiny_dir: Pat
                                                        caplog: pytest.LogCaptureFixture) -> None:
     r = sync_redis.Redis.from_url(redis_proc.url, decode_responses=True)
     r.flushdb()
-    r.set("chatsvc:personas:seeded", "1")
+    r.hset("chatsvc:personas", ":seeded", "1")  # the defaults count as seeded: only these are stored
     r.hset("chatsvc:personas", mapping={"aaa-broken": json.dumps({"description": "no prompt"}),
                                         "aab-too-long": json.dumps({"system_prompt": "word " * 2000}),
                                         "zzz-fine": json.dumps({"system_prompt": "You are fine."})})

@@ -1,0 +1,142 @@
+"""chatsvc/store/turns.py on a real Redis: one turn at a time per session, owner-token locks, and the turns
+of dead gateways recovered or taken over."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gateway_fixtures import redis_proc, redis_url  # noqa: F401
+from store_fixtures import append_event, store  # noqa: F401
+
+from chatsvc.store import SessionGone, Store
+from chatsvc.store.keys import lock_key
+from chatsvc.store.liveness import LOCK_TTL_S
+
+
+async def test_concurrent_turns_append_once(store: Store) -> None:  # noqa: F811
+    s = await store.create_session("o", "p", "sys")
+    results = await asyncio.gather(*(store.begin_turn(s.id, {"role": "user", "content": str(i)}) for i in range(8)))
+    assert sorted(r for r in results if r is not None) == [1]
+    assert len(await store.messages(s.id)) == 1
+    assert await store.is_busy(s.id)
+    assert await store.lock_holder(s.id) == (store.instance, 1, True)
+    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "hi", "finish_reason": "stop"}) == 1
+    # A retry of a stored turn (its first answer lost) stores nothing twice.
+    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "hi", "finish_reason": "stop"}) == 0
+    assert not await store.is_busy(s.id) and await store.lock_holder(s.id) is None
+    assert await store.begin_turn(s.id, {"role": "user", "content": "again"}) == 2
+    assert await store.rollback_turn(s.id, 2)
+    assert not await store.is_busy(s.id)
+    meta = await store.get_session(s.id, "o")
+    assert meta is not None and meta.turns == 1
+    assert [m["role"] for m in await store.messages(s.id)] == ["user", "assistant"]
+
+
+async def test_untitled_session_is_named_after_its_first_message(store: Store) -> None:  # noqa: F811
+    meta = await store.create_session("carol", "p", "sys")
+    assert meta.title == ""
+    assert await store.begin_turn(meta.id, {"role": "user", "content": "  How do\nsails   work? " + "x" * 80}) == 1
+    await store.end_turn(meta.id, 1, {"role": "assistant", "content": "wind"})
+    first = await store.get_session(meta.id, "carol")
+    assert first is not None and first.title.startswith("How do sails work? x") and len(first.title) == 60
+    assert await store.begin_turn(meta.id, {"role": "user", "content": "second"}) == 2
+    again = await store.get_session(meta.id, "carol")
+    assert again is not None and again.title == first.title
+
+
+async def test_the_lock_is_an_owner_token_with_a_short_ttl_released_only_by_its_owner(
+        store: Store) -> None:  # noqa: F811
+    s = await store.create_session("o", "p", "sys")
+    assert await store.begin_turn(s.id, {"role": "user", "content": "hi"}) == 1
+    lock = lock_key(s.id)
+    assert await store.r.get(lock) == store.lock_token(1)
+    assert 0 < await store.r.pttl(lock) <= LOCK_TTL_S * 1000
+    # Another live instance neither takes nor releases it.
+    other = Store(store.r, 60, 30, instance="other")
+    await other.heartbeat()
+    await store.heartbeat()
+    assert await other.begin_turn(s.id, {"role": "user", "content": "me too"}) is None
+    assert await other.end_turn(s.id, 1, {"role": "assistant", "content": "not mine"}) == 1
+    assert await store.r.get(lock) == store.lock_token(1)  # stored once, but the lock stays its owner's
+    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "mine"}) == 0
+    assert await store.r.get(lock) is None
+    # A lock that expired is taken back while its turn is pending, and refreshed while held.
+    assert await store.begin_turn(s.id, {"role": "user", "content": "two"}) == 2
+    await store.r.delete(lock)
+    assert await store.refresh_lock(s.id, 2) and await store.r.get(lock) == store.lock_token(2)
+    await store.r.pexpire(lock, 500)
+    assert await store.refresh_lock(s.id, 2) and await store.r.pttl(lock) > 1000
+    with pytest.raises(SessionGone):
+        await store.begin_turn("no-such-session", {"role": "user", "content": "x"})
+
+
+async def test_a_dead_instances_turn_is_recovered_from_its_stream(store: Store) -> None:  # noqa: F811
+    dead = Store(store.r, 60, 30, instance="host:1")
+    await dead.heartbeat()
+    s = await store.create_session("o", "p", "sys")
+    assert await dead.begin_turn(s.id, {"role": "user", "content": "tell me"}) == 1
+    for text in ("Once", " upon"):
+        await append_event(dead, s.id, 1, {"type": "delta", "text": text, "tokens": 1})
+    await store.heartbeat()
+    assert await store.recover_dead_turns() == []  # its instance is alive: left alone
+    assert await store.is_busy(s.id)
+    # The same name restarting (host and port) makes the old nonce dead at once.
+    restarted = Store(store.r, 60, 30, instance="host:1")
+    await restarted.heartbeat()
+    assert not await store.is_busy(s.id)
+    assert await restarted.recover_dead_turns() == [s.id]
+    msgs = await store.messages(s.id)
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    assert msgs[1]["content"] == "Once upon" and msgs[1]["finish_reason"] == "interrupted"
+    assert msgs[1]["tokens"] == 2
+    events = await store.read_events_json(s.id, 1, "0", block_ms=0)
+    assert events[-1][1]["type"] == "done" and events[-1][1]["finish_reason"] == "interrupted"
+    assert await store.r.get(lock_key(s.id)) is None
+    assert await store.r.smembers("chatsvc:instance:host:1:locks") == set()
+    # The dead instance's late end_turn (it was only paused) stores nothing twice.
+    assert await dead.end_turn(s.id, 1, {"role": "assistant", "content": "Once upon a time"}) == 0
+    assert len(await store.messages(s.id)) == 2
+
+
+async def test_begin_turn_takes_over_a_dead_lock_without_two_user_messages_in_a_row(
+        store: Store) -> None:  # noqa: F811
+    dead = Store(store.r, 60, 30, instance="gone")  # never heartbeats: dead from the start
+    s = await store.create_session("o", "p", "sys")
+    assert await dead.begin_turn(s.id, {"role": "user", "content": "first"}) == 1
+    await append_event(dead, s.id, 1, {"type": "delta", "text": "half", "tokens": 1})
+    assert await store.begin_turn(s.id, {"role": "user", "content": "second"}) == 2
+    msgs = await store.messages(s.id)
+    assert [(m["role"], m.get("finish_reason")) for m in msgs] == [
+        ("user", None), ("assistant", "interrupted"), ("user", None)]
+    assert msgs[1]["content"] == "half"
+    # A lock that simply expired (no owner left at all) is handled the same way.
+    await store.r.delete(lock_key(s.id))
+    assert await store.begin_turn(s.id, {"role": "user", "content": "third"}) == 3
+    assert [m["role"] for m in await store.messages(s.id)] == ["user", "assistant", "user", "assistant", "user"]
+
+
+async def test_one_gateway_takes_over_each_running_turn_of_a_dead_one(store: Store) -> None:  # noqa: F811
+    dead = Store(store.r, 60, 30, instance="gw-dead")
+    await dead.heartbeat()
+    s1 = await store.create_session("o", "p", "sys")
+    s2 = await store.create_session("o", "p", "sys")
+    assert await dead.begin_turn(s1.id, {"role": "user", "content": "1"}) == 1
+    assert await dead.begin_turn(s2.id, {"role": "user", "content": "1"}) == 1
+    peer = Store(store.r, 60, 30, instance="gw-peer")
+    await store.heartbeat()
+    await peer.heartbeat()
+    assert await store.take_over_turns() == []  # its holder is alive
+    await store.r.delete("chatsvc:instance:gw-dead")  # it stopped heartbeating
+    taken = await asyncio.gather(store.take_over_turns(skip={s2.id}), peer.take_over_turns())
+    assert sorted(t for ts in taken for t in ts) == sorted([(s1.id, 1), (s2.id, 1)])
+    assert taken[0] in ([(s1.id, 1)], [])  # skipped s2; s1 went to whichever got it first
+    for sid, turn in (t for ts in taken for t in ts):
+        winner = store if (sid, turn) in taken[0] else peer
+        assert await store.r.get(lock_key(sid)) == winner.lock_token(turn)
+        assert await store.r.sismember(winner.locks_key(), sid)
+    assert await store.r.smembers("chatsvc:instance:gw-dead:locks") == set()
+    assert await store.r.smembers(store.locks_key()) == {sid for sid, _ in taken[0]}
+    # The taker now holds the turn: it stores the reply, and nothing is recovered as interrupted.
+    assert await peer.end_turn(s2.id, 1, {"role": "assistant", "content": "relayed"}) == 1
+    assert await store.recover_dead_turns() == []
