@@ -2,13 +2,32 @@
 
 The Triton interpreter is chosen when ``triton.jit`` decorates a kernel, so the variable must
 be set before any kernel module is imported; conftest runs before test modules are imported.
+
+Every test timeout (the ini default and each ``pytest.mark.timeout``) is in seconds of the reference
+machine and is scaled to this one when the test starts (tests/timing.py), so a busy or slower machine
+does not fail tests that are merely slow there.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+import pytest_timeout
+from timing import calibrated_slowdown, load_slowdown, slowdown
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return (f"time limits x{slowdown():.2f} of the reference machine's (loop x{calibrated_slowdown():.2f}, "
+            f"load x{load_slowdown():.2f}; tests/timing.py)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: pytest_timeout.Settings) -> bool:
+    scaled = settings._replace(timeout=settings.timeout * slowdown())
+    return bool(pytest_timeout.pytest_timeout_set_timer(item, scaled))
