@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import shutil
 import signal
 import subprocess
@@ -93,11 +92,3 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

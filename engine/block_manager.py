@@ -66,14 +66,6 @@ class BlockManager:
         if self._reported.get(seq_id, 0) > index:
             self._reported[seq_id] = index
 
-    @property
-    def num_free_device_blocks(self) -> int:
-        return self.device.num_free
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return self.cpu.num_free
-
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -39,8 +39,8 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
     ``block_size`` runs of D values with the other heads' rows between them, which the hardware prefetchers
     fetch too; head-major they are one run (4 KiB for SmolLM2 in float32). The kernels address the cache
     through its strides, so the view is all they see. Whole blocks stay one piece of memory for the block
-    copies and swaps (the CPU pool has the same layout). On the 2-core Zen 3 EPYC, float32, decode steps took
-    turns against token-major ones: 1.086x (32 sequences), 1.127x (64) (benchmarks/results/step_ab.txt).
+    copies and swaps (the CPU pool has the same layout). ``benchmarks/step_ab.py`` times decode steps of a commit with
+    the other layout against this checkout's, step by step.
     """
     layers, kv, blocks, block_size, heads, dim = shape
     storage = torch.zeros((layers, kv, blocks, heads, block_size, dim), dtype=dtype, device=device,

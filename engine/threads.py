@@ -2,33 +2,29 @@
 
 On a machine whose cores the engine shares (the gateway, its clients, Redis), a step on every core can be
 several times slower than a step on one core fewer: a step runs a few hundred short parallel regions, and
-each one waits at its barrier for whichever team thread the kernel has preempted. On the 2-core VM this
-project is measured on, four decode rows with the machine busy took 0.19 s a step on 2 threads and 0.035 s
-on 1 (``engine_threads`` 2 vs 1, same process, alternated); with the cores free, 2 threads are 1.6x faster
-than 1. Neither fixed count is right for a server, so the engine measures.
+each one waits at its barrier for whichever team thread the kernel has preempted. With the cores free, the
+same step is faster on every core. Neither fixed count is right for a server, so the engine measures
+(``benchmarks/serving_ab.py`` compares this against fixed counts).
 
 The choice is between all the engine's threads and one fewer (the core the other processes want). Steps
 are grouped by size (tokens, in powers of two): a group's time per step is kept for each thread count as a
 moving average of the median of its last three steps, so one slow step (a client's burst, a page fault
-storm) moves nothing and two in a row do. The count running keeps running until the other's figure is
-faster by ``margin`` (1.1x): two figures within noise of each other do not flip the count back and forth.
+storm) moves nothing and two in a row do; a plain average would let one slow step on every thread put the
+engine on one fewer until the next retry. The count running keeps running until the other's figure is
+faster by ``margin``: two figures within noise of each other do not flip the count back and forth.
 The other count is retried, one step, once its figure is older than its retry interval; a retry that loses
 doubles that interval (up to ``max_retry_s``), one that wins resets it. A retry costs one slower step per
-interval, so backing off keeps that cost small, while the current count's own figure rising past the
-other's by the margin switches without waiting for a retry. On the 2-core Zen 5 VM the earlier rules (a
-plain moving average, the faster figure always running, a retry backing off only when it lost by 1.3x or
-more) served 0.86-0.97x the tok/s of both threads fixed at 32 and 64 chats in two runs
-(``benchmarks/serving_ab.py``): a one-thread retry there is ~1.2x slower, so it never backed off and came
-every second, and one slow two-thread step could put the engine on one thread until the next retry.
+interval, so backing off keeps that cost small where the other count keeps losing (a retry at a fixed
+interval would pay it every interval), while the current count's own figure rising past the other's by the
+margin switches without waiting for a retry.
 
 Large steps (``all_threads_from`` tokens and more: prefill chunks) always run on every thread. Their
 parallel regions are long, so a preempted team thread delays each by a small fraction of it, and a retry
-there is what a wave of new prompts waits for: in a traced 32-chat run, a 2048-token chunk retried on one
-thread took 1.04 s instead of 0.61 s, and every request of that chunk saw its first token that much later.
-Smaller steps that carry a prompt (its last chunk, or a short prompt joining the decodes) run on their
-size's faster count but are never the retry either: in a traced 32-chat run a step of two prompt
-remainders and 30 decodes, retried on one thread, took 0.30 s where two threads took 0.15 s, and both
-prompts' first tokens and every decode's next token waited on it. Decode-only steps do the retrying.
+there is what a wave of new prompts waits for: a chunk retried on one thread fewer takes much longer, and
+every request of that chunk sees its first token that much later. Smaller steps that carry a prompt (its
+last chunk, or a short prompt joining the decodes) run on their size's faster count but are never the retry
+either: such a step retried on one thread fewer can take about twice as long, and both the prompts' first
+tokens and every decode's next token wait on it. Decode-only steps do the retrying.
 
 No torch here: the engine applies the count (``torch.set_num_threads``) and reports the step's time.
 """

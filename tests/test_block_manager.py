@@ -57,11 +57,11 @@ def test_shared_prompt_shares_block_ids() -> None:
     assert b.num_computed_tokens == 9
     assert _refs(bm, table_a) == [2, 2, 1]
     assert bm.prefix_hit_tokens == 8 and bm.prefix_queried_tokens == 18
-    assert bm.num_free_device_blocks == 4
+    assert bm.device.num_free == 4
     bm.free(a)
     bm.free(b)
     bm.check_invariants()
-    assert bm.num_free_device_blocks == 8
+    assert bm.device.num_free == 8
 
 
 def test_fully_cached_prompt_leaves_a_token_to_compute() -> None:
@@ -158,9 +158,9 @@ def test_beam_step_forks_a_parent_twice_and_frees_a_dropped_beam_at_once() -> No
     c = a.fork(2)
     bm.fork(a, c)
     b_private = bm.block_table(b)[1]
-    free_before = bm.num_free_device_blocks
+    free_before = bm.device.num_free
     bm.free(b)
-    assert bm.num_free_device_blocks == free_before + 1 and bm.device.blocks[b_private].ref_count == 0
+    assert bm.device.num_free == free_before + 1 and bm.device.blocks[b_private].ref_count == 0
     assert _refs(bm, bm.block_table(a)) == [2, 2]
     copies = []
     for seq, tok in ((a, 11), (c, 12)):
@@ -171,7 +171,7 @@ def test_beam_step_forks_a_parent_twice_and_frees_a_dropped_beam_at_once() -> No
     assert _refs(bm, [prompt_block]) == [2]
     bm.free(a)
     bm.free(c)
-    assert bm.num_free_device_blocks == 12
+    assert bm.device.num_free == 12
 
 
 def test_table_updates_report_only_what_changed() -> None:
@@ -206,7 +206,7 @@ def test_can_allocate_counts_the_copy() -> None:
     bm.fork(parent, child)
     for s in (parent, child):
         s.token_ids.append(9)
-    assert bm.num_free_device_blocks == 0
+    assert bm.device.num_free == 0
     assert not bm.can_allocate([(child, 1)])  # a write into the shared block needs a copy
     with pytest.raises(RuntimeError):
         bm.allocate_slots(child, 1)
@@ -226,12 +226,12 @@ def test_can_allocate_knows_the_last_holder_writes_in_place() -> None:
     for s in seqs:
         s.token_ids.append(9)
     # Three writers of a block shared three ways: two copies, the third writes in place.
-    assert bm.num_free_device_blocks == 2
+    assert bm.device.num_free == 2
     requests = [(s, 1) for s in seqs]
     assert bm.can_allocate(requests)
     assert not bm.can_allocate(requests + [(_group([1]).seqs[0], 5)])
     copies = [c for s in seqs for c in bm.allocate_slots(s, 1)]
-    assert len(copies) == 2 and bm.num_free_device_blocks == 0
+    assert len(copies) == 2 and bm.device.num_free == 0
     bm.check_invariants()
 
 
@@ -246,11 +246,11 @@ def test_pinned_prefix_is_never_evicted_and_is_shared() -> None:
     bm.free(warm)
     bm.check_invariants()
     assert _refs(bm, pinned_ids) == [1, 1]
-    assert bm.num_free_device_blocks == 4
+    assert bm.device.num_free == 4
     # Fill the rest of the pool with unrelated work: the pinned blocks must survive.
     other = _group([1, 2, 3, 4, 5, 6, 7, 8], "other").seqs[0]
     _compute(bm, other)
-    assert bm.num_free_device_blocks == 0 and set(pinned_ids).isdisjoint(bm.block_table(other))
+    assert bm.device.num_free == 0 and set(pinned_ids).isdisjoint(bm.block_table(other))
     bm.free(other)
     # Every sequence that starts with the persona shares the pinned blocks.
     users = [_group(persona + [i, i + 1], f"u{i}").seqs[0] for i in range(2)]
@@ -265,7 +265,7 @@ def test_pinned_prefix_is_never_evicted_and_is_shared() -> None:
     bm.check_invariants()
     assert bm.pinned_blocks() == {}
     # Back in the normal cache: free, still a hit, evictable.
-    assert bm.num_free_device_blocks == 6 and bm.device.num_cached_free >= 2
+    assert bm.device.num_free == 6 and bm.device.num_cached_free >= 2
     assert bm.lookup_prefix(_group(persona + [0], "again").seqs[0]) == pinned_ids
     _compute(bm, _group(list(range(100, 112)), "big").seqs[0])
     assert bm.lookup_prefix(_group(persona + [0], "gone").seqs[0]) == []
@@ -277,7 +277,7 @@ def test_pin_of_uncached_prefix_pins_nothing() -> None:
     bm.unpin("p")
     bm.unpin("never-pinned")
     bm.check_invariants()
-    assert bm.num_free_device_blocks == 4
+    assert bm.device.num_free == 4
 
 
 def test_cached_blocks_evicted_lru_after_uncached() -> None:
@@ -330,7 +330,7 @@ def test_swap_out_and_in_keeps_sharing() -> None:
         assert bm.block_table(s) == [moved[b] for b in before[s.seq_id]]
     shared_cpu = moved[before[parent.seq_id][0]]
     assert bm.cpu.blocks[shared_cpu].ref_count == 2
-    assert bm.num_free_device_blocks == 8 and bm.num_free_cpu_blocks == 1
+    assert bm.device.num_free == 8 and bm.cpu.num_free == 1
     # Reuse the whole device pool meanwhile, so the original cached copies are evicted.
     hog = _group(list(range(100, 132)), "hog").seqs[0]
     _compute(bm, hog)
@@ -341,7 +341,7 @@ def test_swap_out_and_in_keeps_sharing() -> None:
     back = bm.swap_in(group)
     bm.check_invariants()
     assert sorted(src for src, _ in back) == sorted(moved.values())
-    assert bm.num_free_cpu_blocks == 4 and bm.num_free_device_blocks == 5
+    assert bm.cpu.num_free == 4 and bm.device.num_free == 5
     tables = [bm.block_table(s) for s in group.seqs]
     assert tables[0][0] == tables[1][0] and bm.device.blocks[tables[0][0]].ref_count == 2
     assert tables[0][1] != tables[1][1]
@@ -359,7 +359,7 @@ def test_swap_out_without_room_changes_nothing() -> None:
         bm.swap_out(group)
     assert [list(bm.block_table(s)) for s in group.seqs] == tables
     assert [b.ref_count for b in bm.device.blocks] == refs
-    assert bm.num_free_cpu_blocks == 2
+    assert bm.cpu.num_free == 2
     bm.check_invariants()
 
 
@@ -563,10 +563,10 @@ def _run_ops(bm: BlockManager, ops: list[tuple[int, int, int]]) -> None:
                 if seq in nxt:
                     continue
                 private = [blk for blk in bm.block_table(seq) if bm.device.blocks[blk].ref_count == 1]
-                free_before = bm.num_free_device_blocks
+                free_before = bm.device.num_free
                 bm.free(seq)
                 group.seqs.remove(seq)
-                assert bm.num_free_device_blocks == free_before + len(private), "a dropped beam keeps blocks"
+                assert bm.device.num_free == free_before + len(private), "a dropped beam keeps blocks"
                 assert all(bm.device.blocks[blk].ref_count == 0 for blk in private)
             for i, seq in enumerate(nxt):
                 seq.token_ids.append((b + i) % 2)
@@ -584,8 +584,8 @@ def _run_ops(bm: BlockManager, ops: list[tuple[int, int, int]]) -> None:
     for key in list(m.pins):
         bm.unpin(key)
     bm.check_invariants()
-    assert bm.num_free_device_blocks == bm.device.num_blocks
-    assert bm.num_free_cpu_blocks == bm.cpu.num_blocks
+    assert bm.device.num_free == bm.device.num_blocks
+    assert bm.cpu.num_free == bm.cpu.num_blocks
 
 
 _ops = st.lists(st.tuples(st.integers(0, 9), st.integers(0, 63), st.integers(0, 63)), max_size=40)
