@@ -2,14 +2,14 @@
 
 Shapes (see kernels/__init__.py): a layer's cache is ``[num_blocks, block_size, Hkv, D]``; a slot is
 ``block_id * block_size + offset``. Written for speed on CPU, where decode attention is memory-bound
-and small strided ops cost more than arithmetic (measured, SmolLM2 shapes, batch 64):
+and small strided ops cost more than arithmetic:
 
 - the context is gathered with ``index_select`` over whole blocks (one contiguous copy per block);
 - decode runs in buckets of sequences with similar context lengths, so padding stays small;
 - decode scores every query head against every (token, KV head) column of the gathered K in one
   ``bmm`` and masks the columns of other KV heads: three times the (cheap) FLOPs of exact GQA, but
-  no transposed copy of K/V and no per-head small matmuls, which made ``scaled_dot_product_attention``
-  2x slower here;
+  no transposed copy of K/V and no per-head small matmuls, which make ``scaled_dot_product_attention``
+  slower here;
 - prefill runs ``scaled_dot_product_attention`` with ``enable_gqa`` on 4-D inputs, which takes the
   fused flash kernel (float32 softmax accumulation for half types) instead of the math fallback.
 """
@@ -42,7 +42,7 @@ def _gather_context(cache: Tensor, block_table: Tensor) -> Tensor:
     """[..., nb] block ids -> [..., nb * block_size, Hkv, D] tokens in logical order (a copy).
 
     index_select over whole blocks as rows copies each block in one piece; advanced indexing
-    (``cache[table]``) goes element-strided and was ~5x slower on CPU, where this gather is most of
+    (``cache[table]``) goes element-strided, several times slower on CPU, where this gather is most of
     decode attention's cost.
     """
     num_blocks, block_size = cache.shape[0], cache.shape[1]

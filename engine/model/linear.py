@@ -55,12 +55,12 @@ def resolve_linear_backend(name: str, dtype: torch.dtype, device: torch.device |
     return name
 
 
-# The row counts oneDNN's packed GEMMs may run slower than a few rows more: on the 2-core Xeon VM (AMX,
-# bf16, two threads) the model's packed linears took 42-47 ms a pass at 17-32 rows against 28-31 ms at 16
-# and 27-30 ms at 33-40 in some minutes, and the same at either count in others (the VM's speed is bimodal;
-# benchmarks/gemm_row_band.py records both). Padding the band to 33 rows is checked once, at load
-# (``probe_slow_rows``): it pads unless 33 rows measures slower than 32 there, since where the band is not
-# slow at load it may be later, and where 33 rows costs more (a compute-bound GEMM) it is left alone.
+# The row counts oneDNN's packed GEMMs may run slower than a few rows more: with AMX and bf16, a pass of the
+# model's packed linears at 17-32 rows can take much longer than at 16 or at 33-40, and at other times on
+# the same machine no longer (benchmarks/gemm_row_band.py measures the band). Padding it to 33 rows is
+# checked once, at load (``probe_slow_rows``): it pads unless 33 rows measures slower than 32 there, since
+# where the band is not slow at load it may be later, and where 33 rows costs more (a compute-bound GEMM) it
+# is left alone.
 SLOW_ROWS = range(17, 33)
 
 
@@ -68,7 +68,7 @@ def probe_slow_rows(run: Callable[[int], object], reps: int = 5, gain: float = 1
                     clock: Callable[[], float] = time.perf_counter) -> range | None:
     """``SLOW_ROWS`` if running the model's linears (``run(rows)``) at one row past the band takes less than
     ``gain`` times as long as at its last count, else None. Medians of alternated reps, after one untimed
-    pass of each (oneDNN builds a primitive per new row count); not minima, since on a shared VM a slow
+    pass of each (oneDNN builds a primitive per new row count); not minima, since on a shared machine a slow
     count has fast outliers too."""
     last, padded = SLOW_ROWS.stop - 1, SLOW_ROWS.stop
     times: dict[int, list[float]] = {last: [], padded: []}
@@ -89,9 +89,9 @@ def probe_slow_rows(run: Callable[[int], object], reps: int = 5, gain: float = 1
 def gemm_rows(tokens: int, slow: range | None = None) -> int:
     """The row count a step of ``tokens`` tokens is padded to when its linears are packed for oneDNN.
 
-    oneDNN builds (and caches) a GEMM primitive per input shape, which costs a single-threaded 2-6 ms per
-    weight shape the first time a row count is seen: ~24 ms for a step of the model's linears on the
-    2-core VM, 10-30% of a step that mixes decodes with a short prompt. Prompts make nearly every such
+    oneDNN builds (and caches) a GEMM primitive per input shape, which costs a single-threaded few
+    milliseconds per weight shape the first time a row count is seen: for a step of the model's linears, a
+    sizeable share of a step that mixes decodes with a short prompt. Prompts make nearly every such
     step a new row count, so rows are rounded up to a few shapes instead: 64 and below stay exact (decode
     batches, at most max_num_seqs of them), above that a multiple of 1/16 to 1/32 of the count, so the
     padding costs a few percent of a step while ~16 shapes cover each doubling. Counts in ``slow`` (a band

@@ -9,10 +9,10 @@ GEMM.
 
 CPUs without VNNI (AVX2-only: Zen 3, Haswell) are refused. The int8 path stock torch has for them, fbgemm's
 ``torch.ops.quantized.linear_dynamic``, quantizes activations per tensor inside the op (7 bits there:
-without VNNI its u8 x s8 products are summed in pairs into int16, which saturates at 8); measured on the
-parity prompts it moves the model far more than per-token oneDNN does (mean KL to float32 0.52 nats against
-0.04, argmax agreement 0.77 against 0.94), so it is kept only as an explicitly named kernel for
-benchmarks/quantization_accuracy.py, never chosen by ``int8``.
+without VNNI its u8 x s8 products are summed in pairs into int16, which saturates at 8), which moves the
+model about an order of magnitude further from float32 than per-token oneDNN does. It is kept only as an
+explicitly named kernel for benchmarks/quantization_accuracy.py (which measures both), never chosen by
+``int8``.
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ class OneDNNInt8Weight(Int8Weight):
         row_scale = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
         row_scale.clamp_(min=1e-12).div_(127)
         # Unsigned, with zero point 128 (the same integers shifted): VNNI multiplies u8 by s8, and oneDNN has
-        # no VNNI kernel for s8 activations, only AMX's; on an AVX512-VNNI CPU without AMX (Zen 4) s8 ran its
-        # reference kernel, 1.3 s for one 64 x 576 x 3072 GEMM against 0.5 ms as u8.
+        # no VNNI kernel for s8 activations, only AMX's; on an AVX512-VNNI CPU without AMX (Zen 4) s8 falls to
+        # its reference kernel, thousands of times slower than u8.
         qx = torch.div(x, row_scale).round_().add_(ACT_ZERO_POINT).to(torch.uint8)
         out: Tensor = torch.ops.onednn.qlinear_pointwise(qx, 1.0, ACT_ZERO_POINT, self.packed, self.scale,
                                                          self.zero_points, None, 1.0, 0, x.dtype, "none", [], "")

@@ -234,8 +234,9 @@ inline bool vany_nan(vf a) {
 #endif
 }
 
-// Into every cache level (prefetcht0): asking for L2 only (prefetcht2) left a 30-layer decode step's
-// attention 1.02-1.08x slower on the Zen 5 VM, the rows being read within microseconds anyway.
+// Into every cache level (prefetcht0), not L2 only (prefetcht2): the rows are read within microseconds, so
+// keeping them out of L1 spares nothing and leaves the read waiting on one more fill
+// (benchmarks/cpu_attention.py --base compares a build with the other hint).
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
@@ -323,7 +324,7 @@ struct Attention {
         const T* src = q + (tok0 + i) * q_s0 + (it.kv_head * group + g) * q_s1;
         const int64_t row = i * group + g;
         if (pairs) {
-          // A copy loop, not memcpy: a libc call per 128-byte row was 3% of a decode step's attention.
+          // A copy loop, not memcpy: a libc call per 128-byte row costs a visible share of decode attention.
           const uint32_t* pairs_src = reinterpret_cast<const uint32_t*>(src);
           for (int64_t dp = 0; dp < D / 2; ++dp) QP[row * (D / 2) + dp] = pairs_src[dp];
         } else {
@@ -357,9 +358,9 @@ struct Attention {
         // The chunk's rows requested at once (read one after another, each would wait for memory), in the
         // order they are used: a tile reads K, then V, before its first product; a decode scores all of K
         // first and asks for each V row as it scores the same position (row_scores*), so the K rows do not
-        // queue behind V rows not needed yet, and the V requests overlap the scoring. (Requesting V here
-        // too was 1.03-1.10x slower on a 30-layer decode step on the Zen 5 VM; asking for the next chunk's
-        // rows during this one's work, or for its K during V, was slower still, 0.78-0.97x.)
+        // queue behind V rows not needed yet, and the V requests overlap the scoring. (Requesting a decode's
+        // V here too, the next chunk's rows during this one's work, or its K during V, all put requests
+        // ahead of the rows needed first, and decode steps are slower for it.)
         prefetch(krow[j], D * static_cast<int64_t>(sizeof(T)));
         if (tiled) prefetch(vrow[j], D * static_cast<int64_t>(sizeof(T)));
       }
@@ -953,8 +954,8 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
   // Handed out one tile's KV heads at a time when there are many tiles: a thread then reads the heads of the
   // same blocks one after another. A block's KV heads lie in one run of memory (head-major blocks, as the
   // engine allocates them, or token-major rows alike), so what the first head's reads and the hardware
-  // prefetcher brought in serves the next heads. On the Zen 5 VM this made a 30-layer decode step's
-  // attention 1.07-1.10x faster at 32 and 64 sequences. With few tiles, one item at a time keeps every
+  // prefetcher brought in serves the next heads (the "step" case of benchmarks/cpu_attention.py times a
+  // decode step's attention). With few tiles, one item at a time keeps every
   // thread busy (a single decode's three heads would otherwise all go to one thread).
   const int64_t n_items = items.size();
   const int64_t per_grab = merges.empty() && n_items >= 8 * threads * num_kv_heads ? num_kv_heads : 1;
@@ -1326,9 +1327,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 //
 // The model's layer loop as LlamaForCausalLM.forward runs it (engine/model/llama.py), op for op with the
 // same kernels (oneDNN's packed linears through the dispatcher, the ops above), so its output is the same
-// bits; only the Python between the ops is gone. That Python (module calls, views, the bindings) was a
-// fifth of a 32-row bf16 decode step on a 2-core machine, while the second core waited at the next
-// parallel region.
+// bits; only the Python between the ops is gone. That Python (module calls, views, the bindings) runs on
+// one core between parallel regions while the other threads wait at the next one, and in a decode step of
+// few rows, whose regions are short, it is a large share of the step.
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   static const auto op =
