@@ -34,7 +34,10 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.protocol import EngineStats, KVSnapshot
 
 _TEXT = (
     "Paged attention stores the key and value cache in fixed-size blocks, so memory for a sequence does not "
@@ -59,7 +62,7 @@ class FakeEngine:
     """The engine surface the gateway uses, stepping every ``step_s`` over all running requests."""
 
     def __init__(self, step_s: float) -> None:
-        from engine.loader import default_model_path
+        from engine.model_files import default_model_path
         from engine.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_gguf(default_model_path())
@@ -118,11 +121,15 @@ class FakeEngine:
     def unpin_prefix(self, key: str) -> None:
         return None
 
-    def stats(self) -> dict[str, Any]:
-        return {"kv_blocks_total": 1000, "kv_blocks_free": 1000, "requests_running": len(self._running)}
+    def stats(self) -> EngineStats:
+        from engine.protocol import EngineStats
 
-    def kv_snapshot(self) -> dict[str, Any]:
-        return {"blocks": [], "requests": {}, "pins": {}}
+        return EngineStats(kv_blocks_total=1000, kv_blocks_free=1000, requests_running=len(self._running))
+
+    def kv_snapshot(self) -> KVSnapshot:
+        from engine.protocol import KVSnapshot
+
+        return KVSnapshot()
 
     async def _loop(self) -> None:
         due = time.monotonic()
@@ -134,7 +141,7 @@ class FakeEngine:
             self.cpu_s += time.thread_time() - t0
 
     def _step(self) -> None:
-        from engine.engine import RequestDelta
+        from engine.protocol import RequestDelta
 
         for r in list(self._running.values()):
             for i in range(r.n):

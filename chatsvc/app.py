@@ -34,7 +34,8 @@ from chatsvc.quotas import Quotas
 from chatsvc.settings import Settings
 from chatsvc.store import P, Store
 from chatsvc.turns import TurnRegistry
-from engine.client import EngineClient, EngineDeadError
+from engine.client import EngineClient
+from engine.protocol import EngineDeadError
 
 log = logging.getLogger("chatsvc.app")
 
@@ -54,10 +55,10 @@ def engine_problem(gw: Gateway) -> str | None:
     """Why the engine cannot serve now (not started, restarting, failed, stuck in a step), else None."""
     stats = gw.engine.stats()
     if not (gw.engine_ready and gw.engine.is_running):
-        return f"engine {stats.get('engine_state', 'not running')}"
-    age = float(stats.get("last_step_age_s", 0.0))
-    if stats.get("requests_running", 0) > 0 and age > STUCK_AFTER_S:
-        return f"engine stuck: no step for {age:.0f}s with {stats['requests_running']} requests running"
+        return f"engine {stats.engine_state}"
+    age = stats.last_step_age_s
+    if stats.requests_running > 0 and age > STUCK_AFTER_S:
+        return f"engine stuck: no step for {age:.0f}s with {stats.requests_running} requests running"
     return None
 
 

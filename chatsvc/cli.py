@@ -201,8 +201,7 @@ def serve(args: argparse.Namespace) -> int:
         engine = remote_engine(args, url) if args.engine == "redis" else build_engine(engine_config(args), args.engine)
         stats = engine.stats()
         log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
-                 engine.max_model_len, stats.get("kv_blocks_total", 0), args.block_size,
-                 stats.get("cpu_blocks_total", 0))
+                 engine.max_model_len, stats.kv_blocks_total, args.block_size, stats.cpu_blocks_total)
         log.info("sessions in %s", desc)
         if settings.api_keys or settings.admin_keys:
             log.info("API keys required (%d configured, %d admin)", len(settings.api_keys), len(settings.admin_keys))

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from chatsvc.errors import APIError
 from chatsvc.metrics import Metrics, RequestTimer
 from engine.client import EngineClient
+from engine.protocol import QueueFullError, RequestDelta
 from engine.request import SamplingParams
-from engine.scheduler import QueueFullError
 
 
 def queue_full_error(retry_after_s: int) -> APIError:
@@ -30,10 +29,9 @@ class Generation:
         self.params = params
         self.prompt_token_ids = prompt_token_ids
         self.retry_after_s = retry_after_s
-        self._it: AsyncIterator[Any] | None = None
-        self._first: Any = None
+        self._it: AsyncIterator[RequestDelta] | None = None
+        self._first: RequestDelta | None = None
         self.timer = RequestTimer(metrics)
-        self.finished_samples = 0
         self.reason_counts: dict[str, int] = {}
         self.started = False  # the engine admitted the request
 
@@ -60,11 +58,12 @@ class Generation:
     async def close(self) -> None:
         """Abort the request if it is still running (idempotent)."""
         it, self._it = self._it, None
-        # EngineClient.generate promises an AsyncIterator; both engines return async generators.
-        if it is not None and hasattr(it, "aclose"):
-            await it.aclose()
+        # EngineClient.generate promises an AsyncIterator; every engine returns an async generator.
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
-    async def deltas(self) -> AsyncIterator[Any]:
+    async def deltas(self) -> AsyncIterator[RequestDelta]:
         """All deltas; leaving the loop early (break, cancellation, error) aborts the request."""
         assert self._it is not None or self._first is not None, "call start() first"
         done = False
@@ -85,7 +84,7 @@ class Generation:
                 reason = max(self.reason_counts, key=lambda r: self.reason_counts[r])
             self.timer.finish(reason if done else "abort")
 
-    def _observe(self, delta: Any) -> None:
+    def _observe(self, delta: RequestDelta) -> None:
         self.timer.on_tokens(delta.index, len(delta.token_ids))
         if delta.finished:
             r = delta.finish_reason or "stop"

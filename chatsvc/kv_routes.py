@@ -4,6 +4,7 @@ with one session's blocks picked out."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,33 +18,33 @@ from starlette.routing import Route
 from chatsvc.context import Gateway, gateway
 from chatsvc.personas import pin_key
 from chatsvc.session_ops import load_session
+from engine.protocol import KVSnapshot
 
 
-def _visible(gw: Gateway, snap: dict[str, Any], owner: str) -> dict[str, Any]:
+def _visible(gw: Gateway, snap: KVSnapshot, owner: str) -> KVSnapshot:
     """The block picture as ``owner`` may see it: their own requests and pins by name, everyone else's
     blocks still drawn but under opaque labels (request ids and owners' persona names are private)."""
     own = {at.request_id for at in gw.turns.active.values() if at.owner == owner}
     requests: dict[str, list[int]] = {}
-    for i, (rid, blocks) in enumerate((snap.get("requests") or {}).items()):
+    for i, (rid, blocks) in enumerate(snap.requests.items()):
         requests[rid if rid in own else f"other-{i}"] = blocks
     pins: dict[str, list[int]] = {}
-    for i, (key, blocks) in enumerate((snap.get("pins") or {}).items()):
+    for i, (key, blocks) in enumerate(snap.pins.items()):
         shared = key.count(":") == 1
         pins[key if shared or key.startswith(pin_key("", owner)) else f"persona:other-{i}"] = blocks
-    return {**snap, "requests": requests, "pins": pins}
+    return dataclasses.replace(snap, requests=requests, pins=pins)
 
 
 async def _kv_payload(gw: Gateway, owner: str, session: dict[str, Any] | None) -> dict[str, Any]:
     snap = gw.engine.kv_snapshot()
-    payload: dict[str, Any] = {**_visible(gw, snap, owner), **gw.engine.stats()}
+    payload: dict[str, Any] = {**_visible(gw, snap, owner).to_json(), **gw.engine.stats().to_json()}
     if session is not None:
         rid = gw.turns.request_id(session["id"])
-        pins = snap.get("pins") or {}
         payload["session"] = {
             **session,
             "request_id": rid,
-            "blocks": list(snap.get("requests", {}).get(rid, [])) if rid else [],
-            "persona_blocks": list(pins.get(gw.personas.session_pin_key(owner, session["persona"]), [])),
+            "blocks": list(snap.requests.get(rid, [])) if rid else [],
+            "persona_blocks": list(snap.pins.get(gw.personas.session_pin_key(owner, session["persona"]), [])),
         }
     return payload
 

@@ -1,20 +1,20 @@
 """Prometheus metrics on a private registry per app.
 
-Engine gauges and counters are read from ``engine.stats()`` at scrape time by a custom collector;
+Engine gauges and counters are read from ``engine.stats()`` (``engine.protocol.EngineStats``) at scrape time by a custom collector;
 latency histograms and stream gauges are updated by the gateway as requests flow.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.client import EngineClient
+from engine.protocol import EngineStats, WorkerStats
 
 # CPU serving is slow and noisy: latency buckets reach into tens of seconds.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -27,70 +27,66 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
-        total = int(s.get("kv_blocks_total", 0))
-        free = int(s.get("kv_blocks_free", 0))
+        total, free = s.kv_blocks_total, s.kv_blocks_free
         gauges = {
             "kv_blocks_total": ("Device KV cache blocks", total),
             "kv_blocks_free": ("Device KV blocks no sequence holds (includes cached)", free),
-            "kv_blocks_cached": ("Free blocks kept for prefix reuse", s.get("kv_blocks_cached", 0)),
+            "kv_blocks_cached": ("Free blocks kept for prefix reuse", s.kv_blocks_cached),
             "kv_usage_ratio": ("Fraction of device KV blocks held", (total - free) / total if total else 0.0),
-            "cpu_blocks_total": ("CPU swap blocks", s.get("cpu_blocks_total", 0)),
-            "cpu_blocks_free": ("Free CPU swap blocks", s.get("cpu_blocks_free", 0)),
-            "requests_running": ("Requests running", s.get("requests_running", 0)),
-            "requests_waiting": ("Requests waiting", s.get("requests_waiting", 0)),
-            "requests_swapped": ("Requests swapped out to CPU", s.get("requests_swapped", 0)),
+            "cpu_blocks_total": ("CPU swap blocks", s.cpu_blocks_total),
+            "cpu_blocks_free": ("Free CPU swap blocks", s.cpu_blocks_free),
+            "requests_running": ("Requests running", s.requests_running),
+            "requests_waiting": ("Requests waiting", s.requests_waiting),
+            "requests_swapped": ("Requests swapped out to CPU", s.requests_swapped),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"chatsvc_{name}", doc, value=float(value))
         yield CounterMetricFamily("chatsvc_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=float(s.get("prefix_cache_queried_tokens", 0)))
+                                  value=float(s.prefix_cache_queried_tokens))
         yield CounterMetricFamily("chatsvc_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=float(s.get("prefix_cache_hit_tokens", 0)))
+                                  value=float(s.prefix_cache_hit_tokens))
         yield CounterMetricFamily("chatsvc_stream_deltas_coalesced", "Deltas merged into an earlier one for a slow reader",
-                                  value=float(s.get("stream_deltas_coalesced", 0)))
+                                  value=float(s.stream_deltas_coalesced))
         yield CounterMetricFamily("chatsvc_streams_overflowed", "Requests aborted because their reader fell too far behind",
-                                  value=float(s.get("streams_overflowed", 0)))
+                                  value=float(s.streams_overflowed))
         pre = CounterMetricFamily("chatsvc_preemptions", "Preempted sequence groups", labels=["mode"])
-        pre.add_metric(["swap"], float(s.get("preemptions_swap", 0)))
-        pre.add_metric(["recompute"], float(s.get("preemptions_recompute", 0)))
+        pre.add_metric(["swap"], float(s.preemptions_swap))
+        pre.add_metric(["recompute"], float(s.preemptions_recompute))
         yield pre
         yield from _worker_metrics(s)
 
 
-# Per-worker gauges of an engine spread over workers (chatsvc.remote_engine): stats()["workers"].
-_WORKER_GAUGES = {
-    "kv_blocks_total": "Device KV cache blocks of the worker",
-    "kv_blocks_free": "Device KV blocks no sequence holds on the worker (includes cached)",
-    "requests_running": "Requests running on the worker",
-    "requests_waiting": "Requests waiting on the worker",
-    "requests_swapped": "Requests swapped out to CPU on the worker",
-}
-
-
-def _worker_metrics(s: dict[str, Any]) -> Iterator[Metric]:
-    if "route_decisions" in s:
+def _worker_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Per-worker gauges of an engine spread over workers (``chatsvc.remote_engine``)."""
+    if s.route_decisions is not None:
         routes = CounterMetricFamily("chatsvc_route_decisions", "Requests placed on a worker, by why",
                                      labels=["reason"])
-        for reason, n in s["route_decisions"].items():
+        for reason, n in s.route_decisions.items():
             routes.add_metric([reason], float(n))
         yield routes
-    if "hop_entries" in s:
-        yield CounterMetricFamily("chatsvc_worker_hop_seconds", "Worker write to gateway read of output "
-                                  "entries (one per request per engine step), summed", value=float(s["hop_seconds"]))
-        yield CounterMetricFamily("chatsvc_worker_hop_entries", "Output entries read from workers",
-                                  value=float(s["hop_entries"]))
-    workers: dict[str, dict[str, Any]] = s.get("workers") or {}
-    if not workers:
+    if not s.workers:
         return
-    for name, doc in _WORKER_GAUGES.items():
+    yield CounterMetricFamily("chatsvc_worker_hop_seconds", "Worker write to gateway read of output "
+                              "entries (one per request per engine step), summed", value=s.hop_seconds)
+    yield CounterMetricFamily("chatsvc_worker_hop_entries", "Output entries read from workers",
+                              value=float(s.hop_entries))
+    per_worker: dict[str, tuple[str, Callable[[WorkerStats], int]]] = {
+        "kv_blocks_total": ("Device KV cache blocks of the worker", lambda w: w.kv_blocks_total),
+        "kv_blocks_free": ("Device KV blocks no sequence holds on the worker (includes cached)",
+                           lambda w: w.kv_blocks_free),
+        "requests_running": ("Requests running on the worker", lambda w: w.requests_running),
+        "requests_waiting": ("Requests waiting on the worker", lambda w: w.requests_waiting),
+        "requests_swapped": ("Requests swapped out to CPU on the worker", lambda w: w.requests_swapped),
+    }
+    for name, (doc, value) in per_worker.items():
         g = GaugeMetricFamily(f"chatsvc_worker_{name}", doc, labels=["worker"])
-        for wid, ws in workers.items():
-            g.add_metric([wid], float(ws.get(name, 0)))
+        for wid, ws in s.workers.items():
+            g.add_metric([wid], float(value(ws)))
         yield g
     hits = CounterMetricFamily("chatsvc_worker_prefix_cache_hit_tokens", "Prompt tokens served from the worker's "
                                "prefix cache", labels=["worker"])
-    for wid, ws in workers.items():
-        hits.add_metric([wid], float(ws.get("prefix_cache_hit_tokens", 0)))
+    for wid, ws in s.workers.items():
+        hits.add_metric([wid], float(ws.prefix_cache_hit_tokens))
     yield hits
 
 

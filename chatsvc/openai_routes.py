@@ -22,7 +22,7 @@ from chatsvc.generation import Generation
 from chatsvc.offload import Raw, TokenTexts, dumps_in_pieces
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
-from engine.client import StreamOverflowError
+from engine.protocol import StreamOverflowError
 
 
 async def list_models(request: Request) -> JSONResponse:

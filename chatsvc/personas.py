@@ -210,7 +210,7 @@ class Personas:
             self.pinned.move_to_end(key)
 
     def _block_size(self) -> int:
-        return int(self.engine.kv_snapshot().get("block_size") or 16)
+        return self.engine.kv_snapshot().block_size
 
     def _blocks(self, tokens: int) -> int:
         return math.ceil(tokens / self._block_size())
@@ -219,7 +219,7 @@ class Personas:
         return sum(self._blocks(n) for n in self.pinned.values())
 
     def _cap_blocks(self) -> int:
-        total = int(self.engine.stats().get("kv_blocks_total", 0))
+        total = self.engine.stats().kv_blocks_total
         if total <= 0:  # the pool size is not known yet (no stats published): nothing to measure against
             return 1 << 30
         return int(total * self.settings.max_pinned_fraction)

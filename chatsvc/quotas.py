@@ -58,8 +58,8 @@ class Quotas:
     def waiting_limit(self) -> int | None:
         """``max_waiting_share`` of the engine's waiting queue (at least 1); None when the engine does not say
         how long its queue is."""
-        size = self.engine.stats().get("max_waiting") if self.engine is not None else None
-        return None if size is None else max(1, math.floor(self.settings.max_waiting_share * int(size)))
+        size = self.engine.stats().max_waiting if self.engine is not None else 0
+        return None if size <= 0 else max(1, math.floor(self.settings.max_waiting_share * size))
 
     @contextlib.contextmanager
     def admitting(self, owner: str) -> Iterator[None]:

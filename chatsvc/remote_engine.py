@@ -64,29 +64,32 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
+
 from chatsvc.router import Router
-from engine.client import EngineClient, EngineDeadError, StreamCounters, StreamLimits, StreamOverflowError
+from chatsvc.settings import SESSION_TTL_S
+from engine.client import EngineClient, StreamCounters, StreamLimits
 from engine.detokenizer import IncrementalDetokenizer
-from engine.request import SamplingParams
-from engine.scheduler import QueueFullError
-from engine.streams import (
-    KV_WINDOW_S,
+from engine.protocol import (
+    SNAPSHOT_WINDOW_S,
     Abort,
-    Beat,
-    Deltas,
-    Error,
-    Generate,
-    Keys,
-    Pin,
+    AddRequest,
+    EngineDeadError,
+    EngineStats,
+    KVSnapshot,
+    PoolView,
+    ProtocolError,
+    QueueFullError,
+    RequestError,
+    StreamOverflowError,
     Unpin,
-    WantKV,
-    decode,
-    encode,
-    raise_if_cancelled,
+    WantSnapshot,
 )
+from engine.request import SamplingParams
+from engine.streams import Beat, Deltas, Generate, Keys, decode, encode, raise_if_cancelled
 
 if TYPE_CHECKING:
-    from engine.engine import RequestDelta
+    from engine.protocol import RequestDelta
     from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatsvc.remote")
@@ -96,14 +99,10 @@ __all__ = ["RemoteEngine", "WorkerLost"]
 POLL_S = 0.25
 WAIT_FOR_WORKER_S = 10.0
 ROUTE_TTL_S = 24 * 3600
-PIN_TIMEOUT_S = 300.0
-_SUM_STATS = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "cpu_blocks_total", "cpu_blocks_free",
-              "requests_running", "requests_waiting", "requests_swapped", "prefix_cache_queried_tokens",
-              "prefix_cache_hit_tokens", "preemptions_swap", "preemptions_recompute")
-_WORKER_STATS = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "requests_running", "requests_waiting",
-                 "requests_swapped", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
-_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "QueueFullError": QueueFullError,
-                                       "EngineDeadError": EngineDeadError}
+# The counters that add up over workers; the others (estimates, thread counts) are per engine.
+_SUMMED = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "cpu_blocks_total", "cpu_blocks_free",
+           "requests_running", "requests_waiting", "requests_swapped", "prefix_cache_queried_tokens",
+           "prefix_cache_hit_tokens", "preemptions_swap", "preemptions_recompute", "max_waiting")
 
 
 class WorkerLost(Exception):
@@ -125,7 +124,7 @@ class _Reader:
 
 class RemoteEngine(EngineClient):
     def __init__(self, redis: Any, tokenizer: Tokenizer, model_name: str, *, max_model_len: int = 2048,
-                 keys: Keys | None = None, router: Router | None = None, session_ttl_s: int = 7 * 24 * 3600,
+                 keys: Keys | None = None, router: Router | None = None, session_ttl_s: int = SESSION_TTL_S,
                  poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S,
                  stream_limits: StreamLimits | None = None) -> None:
         self.r = redis
@@ -147,7 +146,7 @@ class RemoteEngine(EngineClient):
         self._pins: dict[str, list[int]] = {}  # pin key -> prefix token ids (the Redis hash, refreshed)
         self._pending: Counter[str] = Counter()  # this gateway's open dispatches per worker
         self._pinning: dict[str, set[str]] = {}  # pins this gateway's requests asked of each worker
-        self._kv: dict[str, dict[str, Any]] = {}
+        self._kv: dict[str, KVSnapshot] = {}
         self._kv_asked = 0.0
         self._monitor: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -160,7 +159,7 @@ class RemoteEngine(EngineClient):
         """A gateway's client: the model's tokenizer (no weights are read) and a Redis connection pool."""
         import redis.asyncio as aioredis
 
-        from engine.loader import load_tokenizer, resolve_model_path
+        from engine.model_files import load_tokenizer, resolve_model_path
 
         tokenizer, config = load_tokenizer(model)
         tokenizer.eos_token_ids = config.eos_token_ids
@@ -210,7 +209,7 @@ class RemoteEngine(EngineClient):
         pipe = self.r.pipeline(transaction=False)
         pipe.mget([k.beat(i) for i in ids] or [k.beat("")])
         pipe.hgetall(k.pins)
-        if time.monotonic() - self._kv_asked < KV_WINDOW_S:
+        if time.monotonic() - self._kv_asked < SNAPSHOT_WINDOW_S:
             pipe.mget([k.kv(i) for i in ids] or [k.kv("")])
         results = await pipe.execute()
         beats, pins = results[0], results[1]
@@ -218,12 +217,20 @@ class RemoteEngine(EngineClient):
         for wid, raw in zip(ids, beats, strict=False):
             if raw is None:
                 await self._bury(wid)
-            else:
+                continue
+            try:
                 live[wid] = Beat.from_json(raw)
+            except ProtocolError as exc:
+                log.error("ignoring worker %s: its beat is malformed (%s)", wid, exc)
         self.workers = live
         self._pins = {key: json.loads(ids_json) for key, ids_json in pins.items()}
         if len(results) > 2:
-            self._kv = {wid: json.loads(raw) for wid, raw in zip(ids, results[2], strict=False) if raw}
+            kv: dict[str, KVSnapshot] = {}
+            for wid, raw in zip(ids, results[2], strict=False):
+                if raw:
+                    with contextlib.suppress(ProtocolError, ValueError):
+                        kv[wid] = KVSnapshot.from_json(json.loads(raw))
+            self._kv = kv
         if live:
             self.max_model_len = min(b.max_model_len for b in live.values())
             self.model_name = next(iter(live.values())).model_name
@@ -282,7 +289,7 @@ class RemoteEngine(EngineClient):
                 where = (worker.worker, secrets.token_hex(8))
                 reader = self._readers[request_id] = _Reader(worker.worker, where[1], base,
                                                              1 + (params.logprobs or 0), read=base)
-                msg = Generate(request_id, where[1], self._rest(params, base), prompt_ids + streamed, pin)
+                msg = Generate(AddRequest(request_id, self._rest(params, base), prompt_ids + streamed), where[1], pin)
                 await self._send(worker.worker, msg, session_id, base, len(prompt_ids))
                 try:
                     async for delta in self._read(*where):
@@ -417,7 +424,7 @@ class RemoteEngine(EngineClient):
         k = self.keys
         pipe = self.r.pipeline(transaction=False)
         route = {"worker": worker, "dispatch": msg.dispatch, "base": base, "prompt_tokens": prompt_len}
-        pipe.set(k.request(msg.request_id), json.dumps(route), ex=ROUTE_TTL_S)
+        pipe.set(k.request(msg.add.request_id), json.dumps(route), ex=ROUTE_TTL_S)
         if session_id is not None:
             pipe.set(k.session(session_id), worker, ex=self.session_ttl_s)
         pipe.xadd(k.requests(worker), encode(msg))
@@ -429,17 +436,24 @@ class RemoteEngine(EngineClient):
         block_ms = max(1, int(self.poll_s * 1000))
         while True:
             raise_if_cancelled()
-            resp = await self.r.xread({key: last}, count=256, block=block_ms)
+            if self._stopping:
+                raise EngineDeadError("the gateway's engine client was stopped")
+            try:
+                resp = await self.r.xread({key: last}, count=256, block=block_ms)
+            except RedisError:
+                if self._stopping:
+                    raise EngineDeadError("the gateway's engine client was stopped") from None
+                raise
             if not resp and worker not in self.workers:
                 raise WorkerLost(f"worker {worker} stopped beating")
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
                     last = entry_id
                     msg = decode(fields)
-                    if isinstance(msg, Error):
+                    if isinstance(msg, RequestError):
                         if msg.kind == "WorkerGone":
                             raise WorkerLost(msg.message)
-                        raise _ERRORS.get(msg.kind, RuntimeError)(msg.message)
+                        raise msg.exception()
                     if isinstance(msg, Deltas):
                         if msg.sent:
                             self.hop_seconds += max(0.0, time.time() - msg.sent)
@@ -519,18 +533,6 @@ class RemoteEngine(EngineClient):
         self._pins[key] = ids
         return len(ids) // self._block_size() * self._block_size()
 
-    async def pin_on(self, worker: str, key: str, prompt_token_ids: list[int]) -> int:
-        """Pin a prefix on one worker now and wait for it (tools and tests; serving pins lazily)."""
-        call = secrets.token_hex(8)
-        await self.r.xadd(self.keys.control(worker), encode(Pin(key, list(prompt_token_ids), call)))
-        got = await self.r.blpop([self.keys.reply(call)], timeout=PIN_TIMEOUT_S)
-        if got is None:
-            raise EngineDeadError(f"worker {worker} did not answer the pin")
-        answer = json.loads(got[1])
-        if "error" in answer:
-            raise RuntimeError(answer["error"])
-        return int(answer["pinned"])
-
     def unpin_prefix(self, key: str) -> None:
         self._pins.pop(key, None)
         workers = list(self.workers)
@@ -549,54 +551,53 @@ class RemoteEngine(EngineClient):
         task.add_done_callback(lambda t: self._unpinning.pop(key, None) if self._unpinning.get(key) is t else None)
 
     def _block_size(self) -> int:
-        return next((b.block_size for b in self.workers.values()), 16)
+        return next((b.block_size for b in self.workers.values()), KVSnapshot().block_size)
 
     # -- numbers ----------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The workers' counters summed, plus each worker's own (``workers``) and the routing decisions."""
         beats = list(self.workers.values())
-        total: dict[str, Any] = {name: sum(int(b.stats.get(name, 0)) for b in beats) for name in _SUM_STATS}
-        ages = [float(b.stats.get("last_step_age_s", 0.0)) for b in beats]
-        total.update({
-            "engine_state": "running" if self.is_running else "no workers",
-            "last_step_age_s": max(ages, default=0.0),
-            "workers": {b.worker: {**{n: b.stats.get(n, 0) for n in _WORKER_STATS}, "pins": b.pins,
-                                   "draining": b.draining} for b in beats},
-            "route_decisions": dict(self.router.decisions),
-            "failovers": self.failovers,
-            "hop_seconds": self.hop_seconds,
-            "hop_entries": self.hop_entries,
-        })
-        return total
+        summed = {name: sum(getattr(b.stats, name) for b in beats) for name in _SUMMED}
+        return EngineStats(
+            **summed, engine_state="running" if self.is_running else "no workers",
+            last_step_age_s=max((b.stats.last_step_age_s for b in beats), default=0.0),
+            workers={b.worker: b.stats.worker_view(tuple(b.pins), b.draining) for b in beats},
+            route_decisions=dict(self.router.decisions), failovers=self.failovers,
+            hop_seconds=self.hop_seconds, hop_entries=self.hop_entries,
+            stream_deltas_coalesced=self.stream_counters.coalesced,
+            streams_overflowed=self.stream_counters.overflowed)
 
-    def kv_snapshot(self) -> dict[str, Any]:
+    def kv_snapshot(self) -> KVSnapshot:
         """The workers' block pools side by side: block ids are offset by each pool's start (``pools``)."""
         now = time.monotonic()
-        if self._started and now - self._kv_asked > KV_WINDOW_S / 2:
+        if self._started and now - self._kv_asked > SNAPSHOT_WINDOW_S / 2:
             self._kv_asked = now
             workers = list(self.workers)
 
             async def ask() -> None:
                 pipe = self.r.pipeline(transaction=False)
                 for wid in workers:
-                    pipe.xadd(self.keys.control(wid), encode(WantKV()))
+                    pipe.xadd(self.keys.control(wid), encode(WantSnapshot()))
                 await pipe.execute()
 
             self._spawn(ask())
-        merged: dict[str, Any] = {"block_size": self._block_size(), "num_blocks": 0, "state": [], "refcounts": [],
-                                  "cpu_used": 0, "requests": {}, "pins": {}, "pools": []}
+        num_blocks, state, refcounts, cpu_used = 0, [], [], 0
+        requests: dict[str, list[int]] = {}
+        pins: dict[str, list[int]] = {}
+        pools: list[PoolView] = []
         for wid in sorted(self._kv):
-            snap, offset = self._kv[wid], merged["num_blocks"]
-            merged["pools"].append({"worker": wid, "offset": offset, "num_blocks": snap.get("num_blocks", 0)})
-            merged["num_blocks"] += int(snap.get("num_blocks", 0))
-            merged["state"] += snap.get("state", [])
-            merged["refcounts"] += snap.get("refcounts", [])
-            merged["cpu_used"] += int(snap.get("cpu_used", 0))
-            for rid, blocks in (snap.get("requests") or {}).items():
-                merged["requests"][rid] = [offset + b for b in blocks]
-            for key, blocks in (snap.get("pins") or {}).items():
-                merged["pins"].setdefault(key, []).extend(offset + b for b in blocks)
-        return merged
+            snap, offset = self._kv[wid], num_blocks
+            pools.append(PoolView(wid, offset, snap.num_blocks))
+            num_blocks += snap.num_blocks
+            state += snap.state
+            refcounts += snap.refcounts
+            cpu_used += snap.cpu_used
+            for rid, blocks in snap.requests.items():
+                requests[rid] = [offset + b for b in blocks]
+            for key, blocks in snap.pins.items():
+                pins.setdefault(key, []).extend(offset + b for b in blocks)
+        return KVSnapshot(block_size=self._block_size(), num_blocks=num_blocks, state=state, refcounts=refcounts,
+                          cpu_used=cpu_used, requests=requests, pins=pins, pools=pools)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

@@ -58,6 +58,7 @@ from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.store.keys import stream_key
 from chatsvc.wire import delta_event
 from engine.client import Adoptable, EngineClient
+from engine.protocol import RequestDelta
 
 log = logging.getLogger("chatsvc.turns")
 T = TypeVar("T")
@@ -252,12 +253,12 @@ class TurnRegistry:
         await self._relay(at, gen.deltas() if gen.started else None, gen.close, [], "abort",
                           len(gen.prompt_token_ids))
 
-    async def _relay(self, at: ActiveTurn, deltas: AsyncIterator[Any] | None,
+    async def _relay(self, at: ActiveTurn, deltas: AsyncIterator[RequestDelta] | None,
                      close: Callable[[], Awaitable[None]] | None, parts: list[str], reason: str,
                      prompt_len: int) -> None:
         """Pass a reply's deltas to its readers, then store it: the path of a turn generated here and of one
         taken over from a dead gateway. ``reason`` is the finish reason if no delta is read at all."""
-        last: Any = None
+        last: RequestDelta | None = None
         key = stream_key(at.session_id, at.turn)
         try:
             if deltas is not None and not at.abort_requested:
@@ -285,7 +286,7 @@ class TurnRegistry:
                 await close()
         await self._store_reply(at, key, parts, reason, last, prompt_len)
 
-    async def _store_reply(self, at: ActiveTurn, key: str, parts: list[str], reason: str, last: Any,
+    async def _store_reply(self, at: ActiveTurn, key: str, parts: list[str], reason: str, last: RequestDelta | None,
                            prompt_len: int) -> None:
         """Store the reply (once), write its done event, and let the turn go."""
         u = usage(last.prompt_tokens if last else prompt_len,
@@ -339,7 +340,7 @@ class TurnRegistry:
         at.task = asyncio.create_task(self._run_adopted(at, stream, parts), name=f"turn-{at.request_id}")
         at.grace = asyncio.create_task(self._grace(at))  # no reader here yet: readers elsewhere may count
 
-    async def _run_adopted(self, at: ActiveTurn, stream: AsyncIterator[Any] | None, parts: list[str]) -> None:
+    async def _run_adopted(self, at: ActiveTurn, stream: AsyncIterator[RequestDelta] | None, parts: list[str]) -> None:
         at.running = True
         await self._relay(at, stream, getattr(stream, "aclose", None), parts, "interrupted", 0)
 

@@ -5,7 +5,7 @@ Four tasks share the worker's event loop:
 * requests: XREADGROUP on its own request stream; each ``Generate`` becomes ``engine.generate`` and a task
   that hands the request's deltas to the writer; when the request ends its entry is XACKed and deleted.
 * control: XREAD on its control stream: ``Abort`` (``engine.abort``), ``Pin``/``Unpin`` (``pin_prefix``,
-  ``unpin_prefix``), ``WantKV``.
+  ``unpin_prefix``), ``WantSnapshot``.
 * writer: every delta handed in since its last write goes out in ONE pipelined round trip, one stream
   entry per request; the deltas of one engine step reach the relays together, so a step costs one hop.
 * heartbeat: every ``ttl/4`` seconds the ``Beat`` (load: free blocks, running/waiting/swapped, pinned
@@ -41,24 +41,8 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from engine.client import EngineClient
-from engine.streams import (
-    GROUP,
-    KV_WINDOW_S,
-    Abort,
-    Beat,
-    Deltas,
-    Error,
-    Generate,
-    Keys,
-    Message,
-    Pin,
-    ProtocolError,
-    Unpin,
-    WantKV,
-    decode,
-    encode,
-    raise_if_cancelled,
-)
+from engine.protocol import SNAPSHOT_WINDOW_S, Abort, Pin, ProtocolError, RequestError, Unpin, WantSnapshot
+from engine.streams import GROUP, Beat, Deltas, Generate, Keys, Message, decode, encode, raise_if_cancelled
 
 log = logging.getLogger("chatsvc.worker")
 
@@ -67,17 +51,11 @@ OUT_TTL_S = 300  # an output stream outlives its request this long (a gateway ma
 REPLY_TTL_S = 60
 DRAIN_TIMEOUT_S = 600.0
 READ_BLOCK_MS = 1000
-ERROR_KINDS = ("ValueError", "QueueFullError", "EngineDeadError")
 
 
 def worker_id(name: str | None = None) -> str:
     """Unique per process: a restarted worker is a new worker, never mistaken for its dead predecessor."""
     return f"{name or socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-
-
-def error_kind(exc: BaseException) -> str:
-    name = type(exc).__name__
-    return name if name in ERROR_KINDS else "RuntimeError"
 
 
 class OutWriter:
@@ -101,7 +79,7 @@ class OutWriter:
         self._added += 1
         self._wake.set()
 
-    def error(self, key: str, msg: Error) -> None:
+    def error(self, key: str, msg: RequestError) -> None:
         self._pending.setdefault(key, []).append(msg)
         self._added += 1
         self._wake.set()
@@ -166,7 +144,7 @@ class Worker:
     async def run(self, stop: asyncio.Event) -> int:
         """Serve until ``stop`` is set (then drain) or the worker is fenced; the process's exit status."""
         await self.engine.start()
-        self.block_size = int(self.engine.kv_snapshot().get("block_size") or self.block_size)
+        self.block_size = self.engine.kv_snapshot().block_size
         with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists (never, for a fresh id)
             await self.r.xgroup_create(self.keys.requests(self.id), GROUP, id="0", mkstream=True)
         await self._beat()
@@ -209,10 +187,11 @@ class Worker:
             resp = await self.r.xreadgroup(GROUP, self.id, {self.keys.requests(self.id): ">"}, count=1000)
             for _stream, entries in resp or []:
                 for entry_id, fields in entries:
-                    with contextlib.suppress(ProtocolError, KeyError, ValueError):
+                    with contextlib.suppress(ProtocolError):
                         msg = decode(fields)
                         if isinstance(msg, Generate):
-                            self.writer.error(self.keys.out(msg.dispatch), Error("WorkerGone", "the worker is leaving"))
+                            self.writer.error(self.keys.out(msg.dispatch),
+                                              RequestError(msg.add.request_id, "WorkerGone", "the worker is leaving"))
                     await self._ack(entry_id)
         if self._running:
             await asyncio.wait(list(self._running.values()), timeout=self.drain_timeout_s)
@@ -239,7 +218,7 @@ class Worker:
         pipe = self.r.pipeline(transaction=False)
         pipe.set(k.beat(self.id), self.beat().to_json(), px=ttl_ms)
         if time.monotonic() < self._kv_until:
-            pipe.set(k.kv(self.id), json.dumps(self.engine.kv_snapshot()), px=ttl_ms)
+            pipe.set(k.kv(self.id), json.dumps(self.engine.kv_snapshot().to_json()), px=ttl_ms)
         if self._registered:
             pipe.zscore(k.workers, self.id)
         else:
@@ -283,21 +262,21 @@ class Worker:
         try:
             msg = decode(fields)
             if not isinstance(msg, Generate):
-                raise ProtocolError(f"{msg.TYPE} on a request stream")
-        except (ProtocolError, KeyError, ValueError, TypeError) as exc:
+                raise ProtocolError(f"{type(msg).__name__} on a request stream")
+        except ProtocolError as exc:
             log.error("dropping request entry %s: %s", entry_id, exc)
             self._spawn(self._ack(entry_id))
             return
-        task = asyncio.create_task(self._serve(entry_id, msg), name=f"serve-{msg.request_id}")
-        self._running[msg.request_id] = task
+        task = asyncio.create_task(self._serve(entry_id, msg), name=f"serve-{msg.add.request_id}")
+        self._running[msg.add.request_id] = task
 
     async def _serve(self, entry_id: str, msg: Generate) -> None:
-        out = self.keys.out(msg.dispatch)
+        out, add = self.keys.out(msg.dispatch), msg.add
         try:
             try:
-                stream = self.engine.generate(msg.request_id, msg.params, prompt_token_ids=msg.prompt_token_ids)
+                stream = self.engine.generate(add.request_id, add.params, prompt_token_ids=list(add.prompt_token_ids))
             except Exception as exc:  # noqa: BLE001 - refused: the gateway maps the kind to its answer
-                self.writer.error(out, Error(error_kind(exc), str(exc)))
+                self.writer.error(out, RequestError.of(add.request_id, exc))
                 return
             if msg.pin is not None:
                 self._ensure_pin(msg.pin)
@@ -305,9 +284,9 @@ class Worker:
                 async for delta in stream:
                     self.writer.deltas(out, Deltas([delta]))
             except Exception as exc:  # noqa: BLE001 - the request failed; the worker serves on
-                self.writer.error(out, Error(error_kind(exc), str(exc)))
+                self.writer.error(out, RequestError.of(add.request_id, exc))
         finally:
-            self._running.pop(msg.request_id, None)
+            self._running.pop(add.request_id, None)
             await self.writer.flushed()
             await self._ack(entry_id)
 
@@ -335,7 +314,7 @@ class Worker:
                     last = entry_id
                     try:
                         self._control(decode(fields))
-                    except (ProtocolError, KeyError, ValueError, TypeError) as exc:
+                    except ProtocolError as exc:
                         log.error("dropping control entry %s: %s", entry_id, exc)
 
     def _control(self, msg: Message) -> None:
@@ -344,14 +323,14 @@ class Worker:
                 if msg.request_id in self._running:
                     self._spawn(self.engine.abort(msg.request_id))
             case Pin():
-                self._spawn(self._pin(msg.key, msg.token_ids, msg.reply))
+                self._spawn(self._pin(msg.key, list(msg.prompt_token_ids), msg.call_id))
             case Unpin():
                 self.pins.discard(msg.key)
                 self.engine.unpin_prefix(msg.key)
-            case WantKV():
-                self._kv_until = time.monotonic() + KV_WINDOW_S
+            case WantSnapshot():
+                self._kv_until = time.monotonic() + SNAPSHOT_WINDOW_S
             case _:
-                raise ProtocolError(f"{msg.TYPE} on a control stream")
+                raise ProtocolError(f"{type(msg).__name__} on a control stream")
 
     def _ensure_pin(self, key: str) -> None:
         if key not in self.pins and key not in self._pinning:

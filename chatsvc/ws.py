@@ -21,7 +21,7 @@ from chatsvc.quotas import FrameBudget
 from chatsvc.schemas import SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.wire import delta_frame
-from engine.client import EngineDeadError
+from engine.protocol import EngineDeadError
 
 log = logging.getLogger("chatsvc.ws")
 # Close codes that mean the client meant to leave: its generation is aborted at once. 1001 ("going

@@ -1,8 +1,9 @@
-"""``EngineClient``: what the gateway needs of an engine, whichever way the engine runs.
+"""``EngineClient``: what the gateway needs of an engine, whichever way the engine runs, and the bounded
+per-request queue its deltas wait in for their reader.
 
-Two implementations: ``engine.async_engine.AsyncEngine`` (the step loop on a thread of the
-gateway's process) and ``engine.engine_process.ProcessEngine`` (the step loop in a child process).
-This module imports neither torch nor the tokenizer, so gateway modules can name the type cheaply.
+Implementations: ``engine.local_client.CoreClient`` subclasses (``AsyncEngine``: the core on a thread;
+``ProcessEngine``: the core in a child process) and ``chatsvc.remote_engine.RemoteEngine`` (workers behind
+Redis). This module imports neither torch nor the tokenizer, so gateway modules can name the type cheaply.
 """
 
 from __future__ import annotations
@@ -12,27 +13,21 @@ import collections
 import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from engine.protocol import (
+    EngineStats,
+    KVSnapshot,
+    RequestDelta,
+    StreamOverflowError,
+)
 from engine.request import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.engine import RequestDelta
     from engine.tokenizer import Tokenizer
 
-__all__ = ["Adoptable", "DeltaQueue", "EngineClient", "EngineDeadError", "StreamCounters", "StreamLimits", "StreamOverflowError",
+__all__ = ["Adoptable", "DeltaQueue", "EngineClient", "StreamCounters", "StreamLimits",
            "relay_deltas"]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine is not running (never started, stopped, or its thread/process died)."""
-
-
-class StreamOverflowError(RuntimeError):
-    """A request's reader fell so far behind that its unread output passed ``StreamLimits.max_buffered``;
-    the request was aborted rather than buffered without bound."""
-
-    code = "stream_overflow"
 
 
 @dataclass(frozen=True)
@@ -109,10 +104,6 @@ class DeltaQueue:
 
     def __len__(self) -> int:
         return len(self._slots)
-
-    @property
-    def buffered(self) -> int:
-        return self._buffered
 
     def put_nowait(self, item: RequestDelta | BaseException) -> None:
         if self._closed:
@@ -215,11 +206,11 @@ class EngineClient(Protocol):
 
     def unpin_prefix(self, key: str) -> None: ...
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The engine's latest counters (scheduler and block pool); never blocks."""
         ...
 
-    def kv_snapshot(self) -> dict[str, Any]:
+    def kv_snapshot(self) -> KVSnapshot:
         """The latest block-pool picture; asking keeps the engine refreshing it for a while."""
         ...
 

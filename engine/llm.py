@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestOutput
+from engine.protocol import EngineStats
 from engine.request import SamplingParams
 
 
@@ -76,7 +77,7 @@ class LLM:
         ids = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
     @staticmethod

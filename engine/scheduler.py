@@ -21,12 +21,8 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager, BlockPlan
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.plan import ScheduledSeq, SchedulerOutput
+from engine.protocol import EngineStats, QueueFullError
 from engine.request import RequestStatus, Sequence, SequenceGroup
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting``; the caller should retry later."""
-
 
 # Until the engine has timed a prefill, recompute is assumed slow (1 ms a token, a float32 CPU's order):
 # auto then swaps, the mode whose cost does not grow with the context, while CPU room allows.
@@ -75,8 +71,8 @@ def choose_preemption(mode: PreemptionMode, can_swap: bool, num_blocks: int, num
     ``shared_blocks`` of them are also held outside the group (a shared system prompt). Swapping those
     frees nothing now and brings them back as private copies, while a recompute finds them in the prefix
     cache: once they are half the group's blocks or more, a swap would at least double what the group holds
-    on its return, so auto recomputes whatever the times say (16 requests behind a 256-token system prompt:
-    recompute served 1.79x the tokens/s of swap, docs/paper/swap_recompute.txt)."""
+    on its return, so auto recomputes whatever the times say (``benchmarks/paper/swap_recompute.py`` serves
+    requests behind a shared system prompt in each mode)."""
     if mode == "recompute" or not can_swap:
         return "recompute"
     if mode == "swap":
@@ -373,19 +369,13 @@ class Scheduler:
         group.status = RequestStatus.FINISHED
 
     # -- numbers ------------------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
-        return {
-            "kv_blocks_total": bm.device.num_blocks,
-            "kv_blocks_free": bm.device.num_free,
-            "kv_blocks_cached": bm.device.num_cached_free,
-            "cpu_blocks_total": bm.cpu.num_blocks,
-            "cpu_blocks_free": bm.cpu.num_free,
-            "prefix_cache_queried_tokens": bm.prefix_queried_tokens,
-            "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
-            "preemptions_swap": self.num_preemptions["swap"],
-            "preemptions_recompute": self.num_preemptions["recompute"],
-            "requests_running": len(self.running),
-            "requests_waiting": len(self.waiting),
-            "requests_swapped": len(self.swapped),
-        }
+        return EngineStats(
+            kv_blocks_total=bm.device.num_blocks, kv_blocks_free=bm.device.num_free,
+            kv_blocks_cached=bm.device.num_cached_free, cpu_blocks_total=bm.cpu.num_blocks,
+            cpu_blocks_free=bm.cpu.num_free, prefix_cache_queried_tokens=bm.prefix_queried_tokens,
+            prefix_cache_hit_tokens=bm.prefix_hit_tokens, preemptions_swap=self.num_preemptions["swap"],
+            preemptions_recompute=self.num_preemptions["recompute"], requests_running=len(self.running),
+            requests_waiting=len(self.waiting), requests_swapped=len(self.swapped),
+            max_waiting=self.config.max_waiting)

@@ -1,9 +1,12 @@
-"""Messages between gateways and engine workers over Redis (format version 1), and their Redis keys.
+"""Messages between gateways and engine workers over Redis (format version 2), and their Redis keys.
 
 A gateway (``chatsvc serve --engine redis``, ``chatsvc.remote_engine.RemoteEngine``) holds no model; each
 worker (``chatsvc worker``, ``chatsvc.worker.Worker``) runs one engine. They share only Redis. This module
-names the keys, defines each message as a frozen dataclass and encodes it; it imports no Redis client, so
-both sides and the tests read one definition.
+names the keys and encodes the messages of ``engine.protocol`` as stream entries, with the two that exist only
+here: ``Generate`` (an ``AddRequest`` with its dispatch and persona pin) and ``Deltas`` (one step's deltas
+for one request). It imports no Redis client and no torch, so both sides and the tests read one definition.
+Every entry read is decoded into a typed message with every field checked (``engine.protocol``): a malformed
+entry is a ``ProtocolError``, never a value passed on.
 
 Keys (``P`` is ``chatsvc:``; ``{id}`` a worker id, unique per worker process: a restarted worker is a new one)
 
@@ -14,12 +17,12 @@ Keys (``P`` is ``chatsvc:``; ``{id}`` a worker id, unique per worker process: a 
 * ``P worker:{id}:requests`` (stream): ``Generate`` entries. The worker reads them through the consumer
   group ``engine`` and XACKs (then deletes) an entry when its request has ended, so an entry is never
   run twice at once; it is never run again either, since a dead worker's stream is deleted with it.
-* ``P worker:{id}:control`` (stream): ``Abort``, ``Pin``, ``Unpin`` and ``WantKV`` entries, read with XREAD
+* ``P worker:{id}:control`` (stream): ``Abort``, ``Pin``, ``Unpin`` and ``WantSnapshot`` entries, read with XREAD
   from the start (the stream is as young as the worker).
 * ``P worker:{id}:kv`` (string, TTL): the worker's KV block picture (``engine.kv_snapshot()``), written with
-  each beat for ``KV_WINDOW_S`` seconds after a ``WantKV``.
+  each beat for ``SNAPSHOT_WINDOW_S`` seconds after a ``WantSnapshot``.
 * ``P out:{dispatch}`` (stream, TTL): what the worker sends back for one dispatch of a request: ``Deltas``
-  entries (every delta one engine step produced for it, in one entry) and at most one ``Error``. The
+  entries (every delta one engine step produced for it, in one entry) and at most one ``RequestError``. The
   dispatching gateway reads it with XREAD BLOCK. A request re-dispatched after a worker died gets a new
   dispatch id, so a late write of the dead worker can never mix into the new stream.
 * ``P route:session:{sid}`` (string, TTL): the worker that served the session's last turn (its prefix
@@ -41,24 +44,30 @@ must bump ``VERSION`` to change or remove one.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from engine.engine import RequestDelta
-from engine.request import SamplingParams
+from engine.protocol import (
+    Abort,
+    AddRequest,
+    EngineStats,
+    Pin,
+    ProtocolError,
+    RequestDelta,
+    RequestError,
+    Unpin,
+    WantSnapshot,
+    decode_command,
+    encode_command,
+)
 
-__all__ = ["VERSION", "Keys", "Generate", "Deltas", "Error", "Abort", "Pin", "Unpin", "WantKV", "Beat",
-           "Message", "ProtocolError", "encode", "decode", "encode_delta", "decode_delta", "raise_if_cancelled"]
+__all__ = ["VERSION", "GROUP", "Keys", "Generate", "Deltas", "Beat", "Message", "encode", "decode",
+           "raise_if_cancelled"]
 
-VERSION = 1
-KV_WINDOW_S = 3.0  # a WantKV keeps the worker publishing its KV picture this long
+VERSION = 2
 GROUP = "engine"  # the consumer group of every request stream
-
-
-class ProtocolError(ValueError):
-    """An entry of another format version, or not a message of this module."""
+MAX_ENTRY_BYTES = 64 << 20  # a larger entry is refused unread
 
 
 @dataclass(frozen=True)
@@ -98,51 +107,20 @@ class Keys:
         return f"{self.prefix}reply:{call}"
 
 
-# ---- gateway -> worker ---------------------------------------------------------------------------
+# ---- messages only this transport has ------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Generate:
-    """Run a request. ``prompt_token_ids`` already holds any tokens an earlier dispatch streamed (failover), and
-    ``params.max_tokens`` counts only what is left (``params.seed_offset``: how many of them were sampled). ``pin``: a pin key whose prefix the prompt starts with; the
-    worker pins it (once) if it has not yet."""
+    """Run a request: ``add`` already holds any tokens an earlier dispatch streamed (failover), and its
+    ``params.max_tokens`` counts only what is left (``params.seed_offset``: how many were sampled).
+    ``dispatch`` names this dispatch's output stream; ``pin``: a pin key whose prefix the prompt starts with,
+    which the worker pins (once) if it has not yet."""
 
     TYPE: ClassVar[str] = "generate"
-    request_id: str
+    add: AddRequest
     dispatch: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
     pin: str | None = None
-
-
-@dataclass(frozen=True)
-class Abort:
-    TYPE: ClassVar[str] = "abort"
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Pin:
-    """Pin a prefix; ``reply`` (a call id), when given, gets ``{"pinned": n}`` or ``{"error": ...}``."""
-
-    TYPE: ClassVar[str] = "pin"
-    key: str
-    token_ids: list[int]
-    reply: str | None = None
-
-
-@dataclass(frozen=True)
-class Unpin:
-    TYPE: ClassVar[str] = "unpin"
-    key: str
-
-
-@dataclass(frozen=True)
-class WantKV:
-    TYPE: ClassVar[str] = "want_kv"
-
-
-# ---- worker -> gateway ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -154,17 +132,6 @@ class Deltas:
     TYPE: ClassVar[str] = "deltas"
     deltas: list[RequestDelta]
     sent: float = 0.0
-
-
-@dataclass(frozen=True)
-class Error:
-    """The request failed on the worker. ``kind``: ``ValueError`` (bad request), ``QueueFullError``,
-    ``EngineDeadError``, ``WorkerGone`` (the worker is leaving and did not start it: run it elsewhere) or
-    ``RuntimeError`` (anything else)."""
-
-    TYPE: ClassVar[str] = "error"
-    kind: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -180,82 +147,109 @@ class Beat:
     time: float  # the worker's wall clock at writing
     draining: bool = False
     pins: list[str] = field(default_factory=list)
-    stats: dict[str, Any] = field(default_factory=dict)  # engine.stats(): blocks, running/waiting/swapped...
+    stats: EngineStats = field(default_factory=EngineStats)
 
     @property
     def load(self) -> int:
-        return int(self.stats.get("requests_running", 0)) + int(self.stats.get("requests_waiting", 0))
+        return self.stats.requests_running + self.stats.requests_waiting
 
     @property
     def free_blocks(self) -> int:
-        return int(self.stats.get("kv_blocks_free", 0))
+        return self.stats.kv_blocks_free
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return json.dumps({"worker": self.worker, "pid": self.pid, "host": self.host, "model_name": self.model_name,
+                           "max_model_len": self.max_model_len, "block_size": self.block_size, "time": self.time,
+                           "draining": self.draining, "pins": self.pins, "stats": self.stats.to_json()})
 
     @classmethod
     def from_json(cls, text: str) -> Beat:
-        data = json.loads(text)
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        try:
+            d = json.loads(text)
+            pins = d.get("pins", [])
+            if not isinstance(pins, list) or not all(isinstance(p, str) for p in pins):
+                raise ProtocolError("pins must be a list of strings")
+            return cls(worker=str(d["worker"]), pid=int(d["pid"]), host=str(d["host"]),
+                       model_name=str(d["model_name"]), max_model_len=int(d["max_model_len"]),
+                       block_size=int(d["block_size"]), time=float(d["time"]), draining=bool(d.get("draining")),
+                       pins=pins, stats=EngineStats.from_json(d.get("stats", {})))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProtocolError(f"not a worker beat: {exc}") from None
 
 
-Message = Generate | Abort | Pin | Unpin | WantKV | Deltas | Error
-_TYPES: dict[str, type[Message]] = {c.TYPE: c for c in (Generate, Abort, Pin, Unpin, WantKV, Deltas, Error)}
+Message = Generate | Abort | Pin | Unpin | WantSnapshot | Deltas | RequestError
+_CONTROL = {Abort.TYPE, Pin.TYPE, Unpin.TYPE, WantSnapshot.TYPE}
 
 
 def raise_if_cancelled() -> None:
     """Raise CancelledError if the current task was asked to stop.
 
-    redis-py (8.1) can swallow the CancelledError that a ``cancel()`` delivers while a command is in flight:
-    the command completes and the caller goes on, with only ``Task.cancelling()`` left to tell. Every loop
-    over Redis commands on either side calls this once per iteration, so a cancelled loop still ends."""
+    redis-py can swallow the CancelledError that a ``cancel()`` delivers while a command is in flight: the
+    command completes and the caller goes on, with only ``Task.cancelling()`` left to tell. Every loop over
+    Redis commands on either side calls this once per iteration, so a cancelled loop still ends."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
 
 
-def encode_delta(d: RequestDelta) -> dict[str, Any]:
-    return dataclasses.asdict(d)
-
-
-def decode_delta(data: dict[str, Any]) -> RequestDelta:
-    logprobs = data.get("logprobs")
-    if logprobs is not None:  # JSON object keys are strings; token ids are ints
-        logprobs = [{int(k): float(v) for k, v in step.items()} for step in logprobs]
-    names = {f.name for f in dataclasses.fields(RequestDelta)}
-    return RequestDelta(**{**{k: v for k, v in data.items() if k in names}, "logprobs": logprobs})
-
-
-def _fields(msg: Message) -> dict[str, Any]:
-    match msg:
-        case Generate():
-            return {"request_id": msg.request_id, "dispatch": msg.dispatch, "params": dataclasses.asdict(msg.params),
-                    "prompt_token_ids": msg.prompt_token_ids, "pin": msg.pin}
-        case Deltas():
-            return {"deltas": [encode_delta(d) for d in msg.deltas], "sent": msg.sent}
-        case _:
-            return dataclasses.asdict(msg)
-
-
 def encode(msg: Message) -> dict[str, str]:
     """A message as the fields of one stream entry."""
-    return {"v": str(VERSION), "type": msg.TYPE, "data": json.dumps(_fields(msg), separators=(",", ":"))}
+    data: dict[str, Any]
+    match msg:
+        case Generate():
+            kind = msg.TYPE
+            data = {"add": encode_command(msg.add), "dispatch": msg.dispatch, "pin": msg.pin}
+        case Deltas():
+            kind = msg.TYPE
+            data = {"deltas": [d.to_json() for d in msg.deltas], "sent": msg.sent}
+        case RequestError():
+            kind, data = "error", msg.to_json()
+        case _:
+            data = encode_command(msg)
+            kind = data.pop("type")
+    return {"v": str(VERSION), "type": kind, "data": json.dumps(data, separators=(",", ":"))}
 
 
 def decode(entry: dict[str, str]) -> Message:
-    """The message of one stream entry (its fields as XREAD returns them, decoded to str)."""
-    if entry.get("v") != str(VERSION):
-        raise ProtocolError(f"message format version {entry.get('v')!r}, this side speaks {VERSION}")
-    cls = _TYPES.get(entry.get("type", ""))
-    if cls is None or "data" not in entry:
-        raise ProtocolError(f"not a worker message: {entry!r:.200}")
-    data: dict[str, Any] = json.loads(entry["data"])
-    if cls is Generate:
-        params = {k: v for k, v in data["params"].items() if k in {f.name for f in dataclasses.fields(SamplingParams)}}
-        return Generate(data["request_id"], data["dispatch"], SamplingParams(**params),
-                        [int(t) for t in data["prompt_token_ids"]], data.get("pin"))
-    if cls is Deltas:
-        return Deltas([decode_delta(d) for d in data["deltas"]], float(data.get("sent", 0.0)))
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+    """The message of one stream entry (its fields as XREAD returns them, decoded to str); ``ProtocolError``
+    for anything that is not a well-formed message of this version."""
+    if not isinstance(entry, dict) or entry.get("v") != str(VERSION):
+        raise ProtocolError(f"message format version {str(entry.get('v') if isinstance(entry, dict) else None)[:20]!r}, "
+                            f"this side speaks {VERSION}")
+    kind, raw = entry.get("type", ""), entry.get("data")
+    if not isinstance(raw, str) or len(raw) > MAX_ENTRY_BYTES:
+        raise ProtocolError("an entry's data must be a JSON object of bounded size")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError(f"an entry's data is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProtocolError("an entry's data must be a JSON object")
+    try:
+        if kind == Generate.TYPE:
+            add = decode_command(data["add"])
+            if not isinstance(add, AddRequest):
+                raise ProtocolError("a generate entry must carry an add command")
+            dispatch, pin = data["dispatch"], data.get("pin")
+            if not isinstance(dispatch, str) or not 0 < len(dispatch) <= 64:
+                raise ProtocolError("dispatch must be a short string")
+            if pin is not None and (not isinstance(pin, str) or len(pin) > 256):
+                raise ProtocolError("pin must be a short string")
+            return Generate(add, dispatch, pin)
+        if kind == Deltas.TYPE:
+            deltas = data["deltas"]
+            if not isinstance(deltas, list):
+                raise ProtocolError("deltas must be a list")
+            sent = data.get("sent", 0.0)
+            if isinstance(sent, bool) or not isinstance(sent, int | float):
+                raise ProtocolError("sent must be a number")
+            return Deltas([RequestDelta.from_json(d) for d in deltas], float(sent))
+        if kind == "error":
+            return RequestError.from_json(data)
+        if kind in _CONTROL:
+            cmd = decode_command({**data, "type": kind})
+            assert isinstance(cmd, Abort | Pin | Unpin | WantSnapshot)
+            return cmd
+    except KeyError as exc:
+        raise ProtocolError(f"{kind} entry is missing {exc}") from None
+    raise ProtocolError(f"not a worker message: type {str(kind)[:40]!r}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import json
 import os
 import secrets
 import shutil
@@ -18,7 +19,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+import transformers
+from transformers import PreTrainedTokenizerFast
 
 
 def cache_dir() -> Path:
@@ -84,7 +86,11 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
         try:
-            hf = AutoTokenizer.from_pretrained(str(path))
+            fast = _fast_tokenizer_class(Path(path))
+            if fast is not None:
+                hf = fast.from_pretrained(str(path))
+            else:
+                hf = transformers.AutoTokenizer.from_pretrained(str(path))
         except Exception as e:  # transformers raises several types for missing/corrupt files
             raise ValueError(f"cannot load tokenizer from {path}: {e}") from e
         if not isinstance(hf, PreTrainedTokenizerFast):
@@ -177,9 +183,26 @@ def gguf_tokenizer_dir(gguf_path: str | Path) -> Path:
     return target
 
 
+def _fast_tokenizer_class(path: Path) -> type[PreTrainedTokenizerFast] | None:
+    """The fast tokenizer class a directory's ``tokenizer_config.json`` names, looked up the way AutoTokenizer
+    looks it up but without its model-config machinery, which imports torch: a gateway that holds no model
+    tokenizes without loading torch. None when the directory names no usable class (AutoTokenizer decides)."""
+    try:
+        name = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(name, str):
+        return None
+    for candidate in (name if name.endswith("Fast") else f"{name}Fast", name):
+        found = getattr(transformers, candidate, None)
+        if isinstance(found, type) and issubclass(found, PreTrainedTokenizerFast):
+            return found
+    return None
+
+
 def _convert_gguf_tokenizer(path: Path) -> PreTrainedTokenizerFast:
     try:
-        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         raise ValueError(f"cannot read the tokenizer from GGUF file {path}: {e}") from e
     if not isinstance(hf, PreTrainedTokenizerFast):

@@ -20,11 +20,10 @@ from typing import Any
 import pytest
 from gateway_fixtures import LiveServer
 
-from engine.client import EngineClient, EngineDeadError
-from engine.engine import RequestDelta
+from engine.client import EngineClient
 from engine.model.testing import make_tiny_tokenizer
+from engine.protocol import EngineDeadError, EngineStats, KVSnapshot, QueueFullError, RequestDelta
 from engine.request import SamplingParams
-from engine.scheduler import QueueFullError
 from engine.tokenizer import Tokenizer
 
 REPLY = "Hello! How are you today?"
@@ -143,15 +142,16 @@ class FakeEngine(EngineClient):
     def unpin_prefix(self, key: str) -> None:
         self.pins.pop(key, None)
 
-    def stats(self) -> dict[str, Any]:
-        return {"kv_blocks_total": 64, "kv_blocks_free": 64 - sum(len(p) // self.block_size for p in self.pins.values()),
-                "requests_running": len(self.running), "requests_waiting": 0}
+    def stats(self) -> EngineStats:
+        return EngineStats(kv_blocks_total=64,
+                           kv_blocks_free=64 - sum(len(p) // self.block_size for p in self.pins.values()),
+                           requests_running=len(self.running))
 
-    def kv_snapshot(self) -> dict[str, Any]:
+    def kv_snapshot(self) -> KVSnapshot:
         blocks = iter(range(64))
         pins = {k: [next(blocks) for _ in range(len(v) // self.block_size)] for k, v in self.pins.items()}
-        return {"block_size": self.block_size, "pins": pins,
-                "requests": {rid: [next(blocks)] for rid in sorted(self.running)}}
+        return KVSnapshot(block_size=self.block_size, num_blocks=64, pins=pins,
+                          requests={rid: [next(blocks)] for rid in sorted(self.running)})
 
 
 @contextmanager

@@ -108,7 +108,7 @@ def wait_personas_pinned(app: object, timeout_s: float = 60.0) -> None:
     def done() -> bool:
         stats = gw.engine.stats()
         return bool(len(gw.personas.pinned) >= len(DEFAULT_PERSONAS)
-                    and stats.get("requests_running", 0) + stats.get("requests_waiting", 0) == 0)
+                    and stats.requests_running + stats.requests_waiting == 0)
 
     deadline = time.monotonic() + timeout_s
     while not done():

@@ -18,7 +18,7 @@ import torch
 
 from engine.beam import EarlyStopping
 from engine.llm import LLM
-from engine.loader import default_model_path
+from engine.model_files import default_model_path
 from engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -126,7 +126,7 @@ def test_beams_match_transformers(llm: LLM, reference: Any, prompts: list[list[i
             assert o.finish_reason == ("stop" if o.token_ids[-1] in eos else "length")
             assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
     stats = llm.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def test_n_best_of_k_are_the_first_n_beams(llm: LLM, prompts: list[list[int]],
@@ -186,8 +186,8 @@ def test_preemption_keeps_the_beams(mode: str, prompts: list[list[int]], four_be
                preemption_mode=mode, max_num_batched_tokens=64, engine_threads=1)
     outs = tiny.generate(prompt_token_ids=prompts, sampling_params=_params(4, 1.0, False))
     stats = tiny.stats()
-    assert stats[f"preemptions_{mode}"] > 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert getattr(stats, f"preemptions_{mode}") > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     assert [[o.token_ids for o in out.outputs] for out in outs] == four_beams
 
 

@@ -61,11 +61,11 @@ def test_preemption_keeps_greedy_output(tiny_dir: Path, mode: str) -> None:
     small = _llm(tiny_dir, num_kv_blocks=32, max_model_len=128, preemption_mode=mode, max_num_batched_tokens=64)
     outs = small.generate(PROMPTS, params)
     stats = small.stats()
-    assert stats[f"preemptions_{mode}"] > 0, stats
+    assert getattr(stats, f"preemptions_{mode}") > 0, stats
     for r, o in zip(reference, outs, strict=True):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["cpu_blocks_free"] == stats["cpu_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.cpu_blocks_free == stats.cpu_blocks_total
 
 
 def test_prefix_caching_on_and_off_agree_and_second_run_hits(tiny_dir: Path) -> None:
@@ -73,9 +73,9 @@ def test_prefix_caching_on_and_off_agree_and_second_run_hits(tiny_dir: Path) -> 
     off = _llm(tiny_dir, enable_prefix_caching=False).generate(PROMPTS, params)
     llm = _llm(tiny_dir)
     first = llm.generate(PROMPTS, params)
-    before = llm.stats()["prefix_cache_hit_tokens"]
+    before = llm.stats().prefix_cache_hit_tokens
     second = llm.generate(PROMPTS, params)
-    hits = llm.stats()["prefix_cache_hit_tokens"] - before
+    hits = llm.stats().prefix_cache_hit_tokens - before
     full_blocks = sum((len(llm.tokenizer.encode(p)) - 1) // 4 * 4 for p in PROMPTS)
     assert hits == full_blocks
     for a, b, c in zip(off, first, second, strict=True):
@@ -95,7 +95,7 @@ def test_n_samples_share_prompt_blocks(tiny_dir: Path) -> None:
         assert t[:num_prompt_full] == tables[0][:num_prompt_full]
     for b in tables[0][:num_prompt_full]:
         assert eng.block_manager.device.blocks[b].ref_count == 3
-    used = eng.stats()["kv_blocks_total"] - eng.stats()["kv_blocks_free"]
+    used = eng.stats().kv_blocks_total - eng.stats().kv_blocks_free
     separate = 3 * len(tables[0])
     assert used < separate
     filled, allocated = eng.kv_slot_usage()
@@ -105,7 +105,7 @@ def test_n_samples_share_prompt_blocks(tiny_dir: Path) -> None:
     out = LLMEngine.request_output(group)
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 6 or o.finish_reason == "stop" for o in out.outputs)
-    assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+    assert eng.stats().kv_blocks_free == eng.stats().kv_blocks_total
 
 
 def test_seed_reproduces_regardless_of_batch(tiny_dir: Path) -> None:
@@ -139,14 +139,14 @@ def test_abort_frees_every_block(tiny_dir: Path) -> None:
         eng.add_request(f"a{i}", SamplingParams(n=2, max_tokens=50), prompt=p)
     for _ in range(3):
         eng.step()
-    assert eng.stats()["kv_blocks_free"] < eng.stats()["kv_blocks_total"]
+    assert eng.stats().kv_blocks_free < eng.stats().kv_blocks_total
     for i in range(len(PROMPTS)):
         deltas = eng.abort_request(f"a{i}")
         assert deltas and all(d.finish_reason == "abort" for d in deltas)
         assert deltas[-1].request_finished
     assert not eng.has_unfinished()
     eng.block_manager.check_invariants()
-    assert eng.stats()["kv_blocks_free"] == eng.stats()["kv_blocks_total"]
+    assert eng.stats().kv_blocks_free == eng.stats().kv_blocks_total
 
 
 @pytest.mark.parametrize(
@@ -209,6 +209,6 @@ def test_cpu_backend_matches_torch(tiny_dir: Path) -> None:
     assert llm.engine.runner.backend.name == "cpu"
     cpu_out = llm.generate(PROMPTS, params)
     stats = llm.stats()
-    assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0
+    assert stats.preemptions_swap + stats.preemptions_recompute > 0
     for a, b in zip(torch_out, cpu_out, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -17,18 +17,10 @@ import pytest
 import pytest_asyncio
 from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
 
-from engine.client import EngineDeadError
-from engine.engine import RequestDelta
-from engine.engine_process import (
-    ENGINE_SPINCOUNT,
-    ProcessEngine,
-    _environ,
-    _omp_wait,
-    child_environment,
-    find_tcmalloc,
-)
+from engine.engine_process import ProcessEngine
+from engine.process_env import ENGINE_SPINCOUNT, find_tcmalloc, omp_wait_policy
+from engine.protocol import EngineDeadError, EngineStats, QueueFullError, RequestDelta
 from engine.request import SamplingParams
-from engine.scheduler import QueueFullError
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK = 16
@@ -60,10 +52,10 @@ async def collect(it: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
     return [d async for d in it]
 
 
-async def wait_stats(engine: ProcessEngine, **want: int) -> dict[str, object]:
+async def wait_stats(engine: ProcessEngine, **want: int) -> EngineStats:
     deadline = time.monotonic() + 20
     stats = engine.stats()
-    while any(stats.get(k) != v for k, v in want.items()) and time.monotonic() < deadline:
+    while any(getattr(stats, k) != v for k, v in want.items()) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
         stats = engine.stats()
     return stats
@@ -98,30 +90,30 @@ async def test_greedy_tokens_equal_the_in_process_llm(engine: ProcessEngine) -> 
     # chose how its workers wait.
     assert engine.info.allocator.startswith("tcmalloc") == (find_tcmalloc() is not None)
     chosen = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)
-    assert engine.info.omp_wait_policy == (_omp_wait() if chosen else f"GOMP_SPINCOUNT={ENGINE_SPINCOUNT}")
+    assert engine.info.omp_wait_policy == (omp_wait_policy() if chosen else f"GOMP_SPINCOUNT={ENGINE_SPINCOUNT}")
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.asyncio(loop_scope="module")
 async def test_abort_mid_stream_frees_every_kv_block(engine: ProcessEngine) -> None:
-    idle = (await wait_stats(engine, requests_running=0, requests_waiting=0))["kv_blocks_free"]
+    idle = (await wait_stats(engine, requests_running=0, requests_waiting=0)).kv_blocks_free
     params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     streams = [engine.generate(f"abort-{i}", params, prompt=f"Tell me a long story, number {i}.") for i in range(3)]
     for s in streams:
         await anext(s)
         await anext(s)
     running = engine.stats()
-    assert running["kv_blocks_free"] < idle  # type: ignore[operator]
+    assert running.kv_blocks_free < idle
     await engine.abort("abort-0")
     rest = await collect(streams[0])
     assert rest[-1].request_finished and rest[-1].finish_reason == "abort"
     await streams[1].aclose()  # a client that goes away
     await engine.abort("abort-2")
     await collect(streams[2])
-    stats = await wait_stats(engine, requests_running=0, kv_blocks_free=idle)  # type: ignore[arg-type]
-    assert stats["requests_running"] == 0 and stats["requests_waiting"] == 0
-    assert stats["kv_blocks_free"] == idle
+    stats = await wait_stats(engine, requests_running=0, kv_blocks_free=idle)
+    assert stats.requests_running == 0 and stats.requests_waiting == 0
+    assert stats.kv_blocks_free == idle
 
 
 @pytest.mark.integration
@@ -159,15 +151,15 @@ async def test_pin_and_snapshot_cross_the_pipe(engine: ProcessEngine) -> None:
     pinned = await engine.pin_prefix("persona:test", ids)
     assert pinned == len(ids) // BLOCK * BLOCK > 0
     deadline = time.monotonic() + 10
-    while "persona:test" not in engine.kv_snapshot()["pins"] and time.monotonic() < deadline:
+    while "persona:test" not in engine.kv_snapshot().pins and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     snap = engine.kv_snapshot()
-    assert len(snap["pins"]["persona:test"]) == pinned // BLOCK
-    assert snap["num_blocks"] == ENGINE_KW["num_kv_blocks"]
+    assert len(snap.pins["persona:test"]) == pinned // BLOCK
+    assert snap.num_blocks == ENGINE_KW["num_kv_blocks"]
     engine.unpin_prefix("persona:test")
-    while "persona:test" in engine.kv_snapshot()["pins"] and time.monotonic() < deadline:
+    while "persona:test" in engine.kv_snapshot().pins and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert "persona:test" not in engine.kv_snapshot()["pins"]
+    assert "persona:test" not in engine.kv_snapshot().pins
 
 
 @pytest.mark.integration
@@ -247,28 +239,6 @@ def test_engine_process_exits_when_its_parent_dies(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     child = int(proc.stdout.split()[0])
     assert wait_gone(child, 10), f"engine process {child} outlived its parent"
-
-
-def test_tcmalloc_is_found_and_the_child_environment_is_set_only_around_the_start(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "libtcmalloc.so.4").touch()
-    assert find_tcmalloc((str(tmp_path),)) == str(tmp_path / "libtcmalloc.so.4")
-    (tmp_path / "libtcmalloc_minimal.so.4").touch()
-    assert find_tcmalloc((str(tmp_path),)) == str(tmp_path / "libtcmalloc_minimal.so.4")
-    monkeypatch.setenv("LD_PRELOAD", "/y/libother.so")
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    env = child_environment("/x/libtcmalloc.so")
-    assert env == {"LD_PRELOAD": "/x/libtcmalloc.so:/y/libother.so", "GOMP_SPINCOUNT": ENGINE_SPINCOUNT}
-    with _environ(env):
-        assert os.environ["LD_PRELOAD"].split(":")[0] == "/x/libtcmalloc.so"
-        assert os.environ["GOMP_SPINCOUNT"] == ENGINE_SPINCOUNT
-    assert os.environ["LD_PRELOAD"] == "/y/libother.so" and "GOMP_SPINCOUNT" not in os.environ
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice is kept
-    assert child_environment(None) == {}
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")  # so is a bounded spin
-    assert child_environment(None) == {}
 
 
 @pytest.fixture

@@ -181,4 +181,4 @@ def test_the_real_model_gives_the_same_tokens_with_adaptive_threads() -> None:
     stats = adaptive.engine.stats()
     torch.set_num_threads(2)
     assert got == want
-    assert stats["step_thread_switches"] >= 1 and stats["step_threads"] in (1, 2)
+    assert stats.step_thread_switches >= 1 and stats.step_threads in (1, 2)

@@ -192,7 +192,7 @@ def _send(server: LiveServer, method: str, path: str, body: Any, headers: dict[s
 
 def _check(server: LiveServer, do: Any, status: int, code: str | None) -> None:
     r_before = server.redis.dbsize()  # type: ignore[attr-defined]
-    free_before = server.engine.stats()["kv_blocks_free"]  # type: ignore[attr-defined]
+    free_before = server.engine.stats().kv_blocks_free  # type: ignore[attr-defined]
     resp = do()
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
@@ -201,10 +201,10 @@ def _check(server: LiveServer, do: Any, status: int, code: str | None) -> None:
         assert err["code"] == code, err
     assert server.redis.dbsize() == r_before  # type: ignore[attr-defined]
     deadline = time.monotonic() + 5
-    while server.engine.stats()["kv_blocks_free"] != free_before and time.monotonic() < deadline:  # type: ignore[attr-defined]
+    while server.engine.stats().kv_blocks_free != free_before and time.monotonic() < deadline:  # type: ignore[attr-defined]
         time.sleep(0.05)
-    assert server.engine.stats()["kv_blocks_free"] == free_before  # type: ignore[attr-defined]
-    assert server.engine.stats()["requests_running"] == 0  # type: ignore[attr-defined]
+    assert server.engine.stats().kv_blocks_free == free_before  # type: ignore[attr-defined]
+    assert server.engine.stats().requests_running == 0  # type: ignore[attr-defined]
 
 
 # -- WebSocket ---------------------------------------------------------------------------------------
@@ -298,9 +298,9 @@ def replied_sid(server: LiveServer) -> str:
     deadline, last = time.monotonic() + 10, None
     while time.monotonic() < deadline:
         stats = server.engine.stats()  # type: ignore[attr-defined]
-        if stats["requests_running"] == 0 and stats["kv_blocks_free"] == last:
+        if stats.requests_running == 0 and stats.kv_blocks_free == last:
             break
-        last = stats["kv_blocks_free"]
+        last = stats.kv_blocks_free
         time.sleep(0.3)
     return sid
 

@@ -96,7 +96,7 @@ async def test_a_full_engine_is_a_429_with_retry_after(engine: FakeEngine) -> No
 
 
 async def test_a_stopped_engine_is_not_turned_into_an_http_error(engine: FakeEngine) -> None:
-    from engine.client import EngineDeadError
+    from engine.protocol import EngineDeadError
 
     await engine.stop()
     gen = Generation(engine, Metrics(engine), "r8", SamplingParams(max_tokens=8), [5])

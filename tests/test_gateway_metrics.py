@@ -7,6 +7,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatsvc.metrics import Metrics, RequestTimer
+from engine.protocol import EngineStats
 from tests.fake_engine import FakeEngine, tiny_tokenizer
 
 
@@ -20,15 +21,15 @@ def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 
 def test_engine_stats_become_gauges_and_counters(tmp_path: Path) -> None:
     engine = FakeEngine(tiny_tokenizer(tmp_path))
-    engine.stats = lambda: {"kv_blocks_total": 64, "kv_blocks_free": 48, "preemptions_swap": 3,  # type: ignore[method-assign]
-                            "preemptions_recompute": 1, "prefix_cache_hit_tokens": 32}
+    engine.stats = lambda: EngineStats(kv_blocks_total=64, kv_blocks_free=48, preemptions_swap=3,  # type: ignore[method-assign]
+                                       preemptions_recompute=1, prefix_cache_hit_tokens=32)
     got = scrape(Metrics(engine))
     assert got[("chatsvc_kv_blocks_total", ())] == 64
     assert got[("chatsvc_kv_usage_ratio", ())] == 0.25
     assert got[("chatsvc_preemptions_total", (("mode", "swap"),))] == 3
     assert got[("chatsvc_preemptions_total", (("mode", "recompute"),))] == 1
     assert got[("chatsvc_prefix_cache_hit_tokens_total", ())] == 32
-    assert got[("chatsvc_requests_waiting", ())] == 0  # absent from stats: 0, not an error
+    assert got[("chatsvc_requests_waiting", ())] == 0  # not set: 0
 
 
 def test_request_timer_observes_ttft_once_and_spreads_itl(tmp_path: Path) -> None:

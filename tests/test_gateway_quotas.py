@@ -11,6 +11,7 @@ from chatsvc.auth import ANON
 from chatsvc.errors import APIError
 from chatsvc.quotas import FrameBudget, Quotas
 from chatsvc.settings import Settings
+from engine.protocol import EngineStats
 
 
 class Clock:
@@ -82,8 +83,8 @@ class QueueOf:
     def __init__(self, max_waiting: int) -> None:
         self.max_waiting = max_waiting
 
-    def stats(self) -> dict[str, int]:
-        return {"max_waiting": self.max_waiting}
+    def stats(self) -> EngineStats:
+        return EngineStats(max_waiting=self.max_waiting)
 
 
 def test_a_key_holds_at_most_its_share_of_the_waiting_queue_while_admitting() -> None:

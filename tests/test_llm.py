@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.loader import default_model_path
+from engine.model_files import default_model_path
 from engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -106,9 +106,9 @@ def test_one_by_one_and_cached_rerun_match(llm: LLM, reference: Any, prompts: li
     for ids, want in zip(prompts, expected, strict=True):
         out = llm.generate(prompt_token_ids=[ids], sampling_params=_params())[0]
         _assert_parity(reference, ids, want, out.outputs[0].token_ids)
-    before = llm.stats()["prefix_cache_hit_tokens"]
+    before = llm.stats().prefix_cache_hit_tokens
     rerun = llm.generate(prompt_token_ids=prompts, sampling_params=_params())
-    hits = llm.stats()["prefix_cache_hit_tokens"] - before
+    hits = llm.stats().prefix_cache_hit_tokens - before
     assert hits == sum((len(ids) - 1) // 16 * 16 for ids in prompts)  # every full prompt block hit
     for ids, want, out in zip(prompts, expected, rerun, strict=True):
         _assert_parity(reference, ids, want, out.outputs[0].token_ids)
@@ -117,7 +117,7 @@ def test_one_by_one_and_cached_rerun_match(llm: LLM, reference: Any, prompts: li
 def test_prefix_caching_off_matches(reference: Any, prompts: list[list[int]], expected: list[list[int]]) -> None:
     off = LLM(dtype="float32", num_kv_blocks=512, enable_prefix_caching=False)
     outs = off.generate(prompt_token_ids=prompts, sampling_params=_params())
-    assert off.stats()["prefix_cache_hit_tokens"] == 0
+    assert off.stats().prefix_cache_hit_tokens == 0
     for ids, want, out in zip(prompts, expected, outs, strict=True):
         _assert_parity(reference, ids, want, out.outputs[0].token_ids)
 
@@ -131,8 +131,8 @@ def test_preemption_matches(mode: str, reference: Any, prompts: list[list[int]],
                max_num_batched_tokens=256)
     outs = tiny.generate(prompt_token_ids=prompts, sampling_params=_params())
     stats = tiny.stats()
-    assert stats[f"preemptions_{mode}"] > 0
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     for ids, want, out in zip(prompts, expected, outs, strict=True):
         _assert_parity(reference, ids, want, out.outputs[0].token_ids)
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import GGUFFile, default_model_path, load_model, unpermute_rotary
+from engine.loader import load_model, unpermute_rotary
 from engine.model import ModelConfig
 from engine.model.testing import make_tiny_model_dir
+from engine.model_files import GGUFFile, default_model_path
 
 
 @pytest.fixture(scope="module")

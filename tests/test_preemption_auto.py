@@ -16,7 +16,7 @@ from test_llm import MAX_TOKENS, _assert_parity, _conversations
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.loader import default_model_path, load_tokenizer
+from engine.model_files import default_model_path, load_tokenizer
 from engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -68,10 +68,10 @@ def test_auto_is_the_default() -> None:
 def test_auto_swaps_when_cheaper_and_matches(reference: Any, prompts: list[list[int]],
                                              expected: list[list[int]]) -> None:
     got, stats = _run_small_pool(prompts)  # the default mode
-    assert stats["preemptions_swap"] > 0, stats
-    assert 0 < stats["swap_seconds_per_block"] < 16 * stats["prefill_seconds_per_token"], stats
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["cpu_blocks_free"] == stats["cpu_blocks_total"]
+    assert stats.preemptions_swap > 0, stats
+    assert 0 < stats.swap_seconds_per_block < 16 * stats.prefill_seconds_per_token, stats
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.cpu_blocks_free == stats.cpu_blocks_total
     for ids, want, tokens in zip(prompts, expected, got, strict=True):
         _assert_parity(reference, ids, want, tokens)
 
@@ -79,7 +79,7 @@ def test_auto_swaps_when_cheaper_and_matches(reference: Any, prompts: list[list[
 def test_auto_recomputes_without_swap_space_and_matches(reference: Any, prompts: list[list[int]],
                                                         expected: list[list[int]]) -> None:
     got, stats = _run_small_pool(prompts, preemption_mode="auto", swap_space_mb=0)
-    assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] == 0, stats
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.preemptions_recompute > 0 and stats.preemptions_swap == 0, stats
+    assert stats.kv_blocks_free == stats.kv_blocks_total
     for ids, want, tokens in zip(prompts, expected, got, strict=True):
         _assert_parity(reference, ids, want, tokens)

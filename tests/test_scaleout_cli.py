@@ -1,6 +1,6 @@
 """End to end on the real model: ``chatsvc serve --engine redis`` (a gateway with no model) and one
 ``chatsvc worker`` process against one Redis; a two-turn session over HTTP routes its second turn back to the
-worker (a prefix-cache hit), and /metrics shows the routing and the worker."""
+worker (a prefix-cache hit), /metrics shows the routing and the worker, and the gateway never loads torch."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture
-def stack(redis_url: str) -> Iterator[tuple[str, WorkerProc]]:  # noqa: F811
+def stack(redis_url: str) -> Iterator[tuple[Serve, WorkerProc]]:  # noqa: F811
     model = default_model_path()
     worker = WorkerProc(redis_url, model, "real", "--engine", "thread", "--engine-threads", "1", "--kv-cache-mb",
                         "64", "--max-model-len", "1024")
@@ -26,14 +26,19 @@ def stack(redis_url: str) -> Iterator[tuple[str, WorkerProc]]:  # noqa: F811
     try:
         gateway.start()  # ready once the worker, loading meanwhile, has registered
         worker.wait_registered()
-        yield gateway.url, worker
+        yield gateway, worker
     finally:
         gateway.stop()
         worker.terminate()
 
 
-def test_a_session_through_a_gateway_without_a_model(stack: tuple[str, WorkerProc]) -> None:
-    base, worker = stack
+def mapped_libraries(pid: int) -> set[str]:
+    return {line.split()[-1] for line in open(f"/proc/{pid}/maps") if "/" in line}
+
+
+def test_a_session_through_a_gateway_without_a_model(stack: tuple[Serve, WorkerProc]) -> None:
+    gateway, worker = stack
+    base = gateway.url
     sid = httpx.post(base + "/v1/sessions", json={}, timeout=10).json()["id"]
     done = []
     for content in ("Name one planet.", "And one more?"):
@@ -55,6 +60,10 @@ def test_a_session_through_a_gateway_without_a_model(stack: tuple[str, WorkerPro
     assert hops and float(hops.group(1)) >= 2  # every output entry's Redis hop is measured
     ready = httpx.get(base + "/ready", timeout=10)
     assert ready.status_code == 200
+    # The model-less gateway speaks the engine protocol only: after serving both turns, /metrics and /ready,
+    # no torch library is mapped into its process (the worker's has it).
+    assert not {lib for lib in mapped_libraries(gateway.proc.pid) if "torch" in lib}
+    assert {lib for lib in mapped_libraries(worker.proc.pid) if "libtorch" in lib}
     assert worker.terminate() == 0  # SIGTERM: drains (nothing running) and leaves
     deadline = time.monotonic() + 5
     while (ready := httpx.get(base + "/ready", timeout=10)).status_code == 200 and time.monotonic() < deadline:

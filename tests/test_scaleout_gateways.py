@@ -54,7 +54,7 @@ def stack(redis_proc, tiny: Path) -> Iterator[tuple[Serve, Serve, WorkerProc]]: 
         sid = session(gateways[1].url)
         httpx.post(f"{gateways[1].url}/v1/sessions/{sid}/messages", json=ask(sid, 4), timeout=120).read()
         wait_for(lambda: (beat := worker.beat()) is not None and bool(beat.pins)
-                 and beat.stats["requests_running"] == 0)
+                 and beat.stats.requests_running == 0)
         time.sleep(1.0)
         beat = worker.beat()
         assert beat is not None
@@ -70,7 +70,7 @@ def idle_and_free(w: WorkerProc) -> bool:
     """No request on the worker, and every block free but those of the persona it pinned (the warm-up's)."""
     beat = w.beat()
     assert beat is not None
-    return beat.stats["requests_running"] == 0 and beat.free_blocks == FREE_AT_IDLE[w.id]
+    return beat.stats.requests_running == 0 and beat.free_blocks == FREE_AT_IDLE[w.id]
 
 
 FREE_AT_IDLE: dict[str, int] = {}

@@ -23,8 +23,8 @@ from gateway_fixtures import redis_proc  # noqa: F401
 from scaleout_workers import TINY_FLAGS, WorkerProc
 
 from chatsvc.remote_engine import RemoteEngine
-from engine.client import EngineDeadError, StreamLimits, StreamOverflowError
-from engine.engine import RequestDelta
+from engine.client import StreamLimits
+from engine.protocol import EngineDeadError, RequestDelta, StreamOverflowError
 from engine.request import SamplingParams
 from engine.streams import Keys
 
@@ -84,7 +84,7 @@ def idle_and_free(w: WorkerProc) -> bool:
     beat = w.beat()
     assert beat is not None
     pinned = 2 * len(beat.pins)
-    return beat.stats["requests_running"] == 0 and beat.free_blocks == beat.stats["kv_blocks_total"] - pinned
+    return beat.stats.requests_running == 0 and beat.free_blocks == beat.stats.kv_blocks_total - pinned
 
 
 def route(redis_url: str, key: str) -> str | None:
@@ -164,13 +164,13 @@ async def test_persona_sessions_spread_over_both_workers_each_pinning_it_once(
     assert gateway.router.decisions["persona"] >= 2
     # /v1/kv's picture: both pools side by side, the pin holding the persona's two full blocks on each.
     # An engine answers with its latest picture and refreshes it on being asked: wait for one with the pins.
-    await wait_for(lambda: len(gateway.kv_snapshot()["pins"].get("persona:tutor", [])) == 4)
+    await wait_for(lambda: len(gateway.kv_snapshot().pins.get("persona:tutor", [])) == 4)
     snap = gateway.kv_snapshot()
-    assert len(snap["pools"]) == 2
-    assert snap["num_blocks"] == len(snap["state"]) == sum(w["num_blocks"] for w in snap["pools"])
-    pinned = snap["pins"]["persona:tutor"]
-    assert len(pinned) == 4 and all(snap["state"][b] == "pinned" for b in pinned)
-    offsets = [w["offset"] for w in snap["pools"]]
+    assert len(snap.pools) == 2
+    assert snap.num_blocks == len(snap.state) == sum(w.num_blocks for w in snap.pools)
+    pinned = snap.pins["persona:tutor"]
+    assert len(pinned) == 4 and all(snap.state[b] == "pinned" for b in pinned)
+    offsets = [w.offset for w in snap.pools]
     assert [b >= offsets[1] for b in sorted(pinned)] == [False, False, True, True]
 
 
@@ -310,7 +310,7 @@ async def test_sigterm_drains_the_running_request_then_leaves(gateway: RemoteEng
 
 def test_after_a_failover_a_stop_string_straddling_it_still_ends_the_reply(tiny: Path) -> None:
     from engine.detokenizer import IncrementalDetokenizer
-    from engine.loader import load_tokenizer
+    from engine.model_files import load_tokenizer
 
     tok, _ = load_tokenizer(str(tiny))
     params = SamplingParams(temperature=0.0, max_tokens=50, stop=["xy"])

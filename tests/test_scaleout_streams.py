@@ -1,4 +1,5 @@
-"""engine.streams: every message survives encode/decode; other versions and foreign entries are refused."""
+"""engine.streams: every message survives encode/decode; other versions, foreign and malformed entries are
+refused with ProtocolError."""
 
 from __future__ import annotations
 
@@ -6,32 +7,29 @@ import json
 
 import pytest
 
-from engine.engine import RequestDelta
-from engine.request import SamplingParams
-from engine.streams import (
-    VERSION,
+from engine.protocol import (
     Abort,
-    Beat,
-    Deltas,
-    Error,
-    Generate,
-    Keys,
+    AddRequest,
+    EngineStats,
     Pin,
     ProtocolError,
+    RequestDelta,
+    RequestError,
     Unpin,
-    WantKV,
-    decode,
-    encode,
+    WantSnapshot,
 )
+from engine.request import SamplingParams
+from engine.streams import VERSION, Beat, Deltas, Generate, Keys, decode, encode
 
 
 def test_every_message_round_trips() -> None:
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=3, stop=["\n\n"], max_tokens=40, min_tokens=2)
     delta = RequestDelta("r1", 0, "hé", [5, 6], False, None, [{5: -0.1, 9: -2.5}, {6: -0.3}], 12, 2, 0)
-    msgs = [Generate("r1", "d1", params, [1, 2, 3], "persona:x"), Generate("r2", "d2", SamplingParams(), [4]),
-            Abort("r1"), Pin("persona:x", [1, 2], "call-1"), Unpin("persona:x"), WantKV(),
+    msgs = [Generate(AddRequest("r1", params, [1, 2, 3]), "d1", "persona:x"),
+            Generate(AddRequest("r2", SamplingParams(), [4]), "d2"),
+            Abort("r1"), Pin("persona:x", [1, 2], "call-1"), Unpin("persona:x"), WantSnapshot(),
             Deltas([delta, RequestDelta("r1", 0, "", [7], True, "length", None, 12, 3, 0, True)], 1764547200.25),
-            Error("QueueFullError", "full")]
+            RequestError("r1", "QueueFullError", "full")]
     for msg in msgs:
         entry = encode(msg)
         assert set(entry) == {"v", "type", "data"} and entry["v"] == str(VERSION)
@@ -55,7 +53,7 @@ def test_a_newer_writer_may_add_fields() -> None:
     entry["data"] = json.dumps({**json.loads(entry["data"]), "reason": "later field"})
     assert decode(entry) == Abort("r1")
     beat = Beat(worker="w", pid=1, host="h", model_name="m", max_model_len=512, block_size=16, time=1.0,
-                pins=["p"], stats={"requests_running": 2, "requests_waiting": 1, "kv_blocks_free": 7})
+                pins=["p"], stats=EngineStats(requests_running=2, requests_waiting=1, kv_blocks_free=7))
     text = json.dumps({**json.loads(beat.to_json()), "gpu": "none"})
     assert Beat.from_json(text) == beat and beat.load == 3 and beat.free_blocks == 7
 
@@ -65,3 +63,27 @@ def test_keys_share_one_prefix() -> None:
     names = [k.workers, k.pins, k.beat("w"), k.requests("w"), k.control("w"), k.kv("w"), k.out("d"), k.session("s"),
              k.request("r"), k.reply("c")]
     assert all(n.startswith("x:") for n in names) and len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("data", [
+    {"add": {"type": "add", "request_id": "r", "params": None, "prompt_token_ids": [1]}, "dispatch": "d"},
+    {"add": {"type": "add", "request_id": "r", "params": {}, "prompt_token_ids": [1]}, "dispatch": 5},
+    {"add": {"type": "add", "request_id": "r", "params": {"seed_offset": 10**30}, "prompt_token_ids": [1]},
+     "dispatch": "d"},
+    {"add": {"type": "add", "request_id": "r", "params": {}, "prompt_token_ids": [-1]}, "dispatch": "d"},
+    {"add": {"type": "add", "request_id": "r", "params": {"logit_bias": {}}, "prompt_token_ids": [1]},
+     "dispatch": "d"},
+    {"add": {"type": "abort", "request_id": "r"}, "dispatch": "d"},
+    [],
+])
+def test_a_malformed_generate_entry_is_a_protocol_error(data: object) -> None:
+    with pytest.raises(ProtocolError):
+        decode({"v": str(VERSION), "type": "generate", "data": json.dumps(data)})
+
+
+@pytest.mark.parametrize("kind,data", [("abort", ["r1"]), ("abort", {"request_id": 5}), ("pin", {"key": "k"}),
+                                       ("deltas", {"deltas": [{"request_id": "r"}]}), ("error", {"kind": 3}),
+                                       ("shutdown", {}), ("add", {})])
+def test_a_malformed_or_misplaced_entry_is_a_protocol_error(kind: str, data: object) -> None:
+    with pytest.raises(ProtocolError):
+        decode({"v": str(VERSION), "type": kind, "data": json.dumps(data)})

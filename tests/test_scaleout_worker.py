@@ -15,9 +15,9 @@ from gateway_fixtures import redis_proc, redis_url  # noqa: F401
 
 from chatsvc.worker import Worker
 from engine.async_engine import AsyncEngine
-from engine.engine import RequestDelta
+from engine.protocol import AddRequest, RequestDelta, RequestError
 from engine.request import SamplingParams
-from engine.streams import GROUP, Deltas, Error, Generate, Keys, decode, encode
+from engine.streams import GROUP, Deltas, Generate, Keys, decode, encode
 
 pytestmark = pytest.mark.integration
 K = Keys()
@@ -55,12 +55,12 @@ async def started(r: aioredis.Redis, tiny: Path, ttl_s: float = 2.0) -> tuple[Wo
 
 async def send(r: aioredis.Redis, rid: str, ids: list[int], max_tokens: int) -> str:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    await r.xadd(K.requests("w1"), encode(Generate(rid, f"d-{rid}", params, ids)))
+    await r.xadd(K.requests("w1"), encode(Generate(AddRequest(rid, params, ids), f"d-{rid}")))
     return K.out(f"d-{rid}")
 
 
-async def read(r: aioredis.Redis, key: str, until_finished: bool = True, timeout_s: float = 30) -> list[Deltas | Error]:
-    msgs: list[Deltas | Error] = []
+async def read(r: aioredis.Redis, key: str, until_finished: bool = True, timeout_s: float = 30) -> list[Deltas | RequestError]:
+    msgs: list[Deltas | RequestError] = []
     last = "0-0"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -68,16 +68,16 @@ async def read(r: aioredis.Redis, key: str, until_finished: bool = True, timeout
             for entry_id, fields in entries:
                 last = entry_id
                 msg = decode(fields)
-                assert isinstance(msg, Deltas | Error)
+                assert isinstance(msg, Deltas | RequestError)
                 msgs.append(msg)
-                if isinstance(msg, Error) or msg.deltas[-1].request_finished or not until_finished:
+                if isinstance(msg, RequestError) or msg.deltas[-1].request_finished or not until_finished:
                     return msgs
     if timeout_s >= 5:
         raise AssertionError(f"no end on {key}")
     return msgs
 
 
-def deltas(msgs: list[Deltas | Error]) -> list[RequestDelta]:
+def deltas(msgs: list[Deltas | RequestError]) -> list[RequestDelta]:
     return [d for m in msgs if isinstance(m, Deltas) for d in m.deltas]
 
 
@@ -107,7 +107,7 @@ async def test_bad_entries_are_dropped_and_refused_requests_answered(r: aioredis
     await r.xadd(K.requests("w1"), {"v": "99", "type": "generate", "data": "{}"})
     key = await send(r, "empty", [10**6], 4)  # a token id beyond the vocabulary: the engine refuses it
     msgs = await read(r, key)
-    assert isinstance(msgs[-1], Error) and msgs[-1].kind == "ValueError"
+    assert isinstance(msgs[-1], RequestError) and msgs[-1].kind == "ValueError"
     assert deltas(await read(r, await send(r, "fine", [5, 6, 7], 3)))[-1].completion_tokens == 3
     stop.set()
     assert await task == 0
@@ -127,7 +127,7 @@ async def test_stop_drains_the_running_request_and_deregisters(r: aioredis.Redis
     # Read before the stop: it ran. Queued unread when draining began: handed back (WorkerGone). Arrived after
     # the worker left: unanswered, and its gateway, no longer seeing the worker, dispatches it elsewhere.
     late = await read(r, queued, timeout_s=1.0)
-    assert (not late or (isinstance(late[-1], Error) and late[-1].kind == "WorkerGone")
+    assert (not late or (isinstance(late[-1], RequestError) and late[-1].kind == "WorkerGone")
             or deltas(late)[-1].completion_tokens == 3)
 
 

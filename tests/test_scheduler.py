@@ -14,15 +14,9 @@ from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.protocol import QueueFullError
 from engine.request import RequestStatus, SamplingParams, SequenceGroup
-from engine.scheduler import (
-    PreemptionCosts,
-    QueueFullError,
-    Scheduler,
-    SchedulerOutput,
-    choose_preemption,
-    recompute_tokens,
-)
+from engine.scheduler import PreemptionCosts, Scheduler, SchedulerOutput, choose_preemption, recompute_tokens
 
 
 def test_imports_do_not_pull_torch() -> None:
@@ -200,10 +194,10 @@ class Driver:
             self.step()
             steps += 1
             assert steps <= max_steps, f"no progress: {self.s.stats()}"
-        assert self.bm.num_free_device_blocks == self.bm.device.num_blocks - sum(
+        assert self.bm.device.num_free == self.bm.device.num_blocks - sum(
             len(b) for b in self.bm.pinned_blocks().values()
         )
-        assert self.bm.num_free_cpu_blocks == self.bm.cpu.num_blocks
+        assert self.bm.cpu.num_free == self.bm.cpu.num_blocks
         return steps
 
 
@@ -367,7 +361,7 @@ def test_auto_preemption_picks_the_cheaper_mode(costs: PreemptionCosts, num_cpu:
     d.run()
     other = "recompute" if chosen == "swap" else "swap"
     assert d.s.num_preemptions[chosen] >= 1 and d.s.num_preemptions[other] == 0
-    assert d.s.stats()[f"preemptions_{chosen}"] == d.s.num_preemptions[chosen]
+    assert getattr(d.s.stats(), f"preemptions_{chosen}") == d.s.num_preemptions[chosen]
     assert all(g.seqs[0].num_output_tokens == g.sampling_params.max_tokens for g in d.groups)
 
 
@@ -459,20 +453,20 @@ def test_abort_from_each_queue_frees_everything(which: int) -> None:
     d = make(block_size=2, num_device=6, num_cpu=8, preemption_mode="swap")
     groups = _state_in_all_queues(d)
     target = groups[which]
-    before = (d.bm.num_free_device_blocks, d.bm.num_free_cpu_blocks)
+    before = (d.bm.device.num_free, d.bm.cpu.num_free)
     assert d.s.abort(target.request_id) is target
     assert d.s.abort(target.request_id) is None
     assert target.is_finished and all(s.finish_reason == "abort" for s in target.seqs)
     assert d.s.find(target.request_id) is None
     d.check()
-    after = (d.bm.num_free_device_blocks, d.bm.num_free_cpu_blocks)
+    after = (d.bm.device.num_free, d.bm.cpu.num_free)
     assert after[which == 1] > before[which == 1] or which == 2
     for g in groups:
         if g is not target:
             assert d.s.abort(g.request_id) is g
     d.check()
     assert not d.s.has_unfinished()
-    assert d.bm.num_free_device_blocks == 6 and d.bm.num_free_cpu_blocks == 8
+    assert d.bm.device.num_free == 6 and d.bm.cpu.num_free == 8
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -550,9 +544,9 @@ def test_stats_are_back_to_idle_after_everything_ends() -> None:
         d.add(prompt(5, salt=i % 2), max_tokens=6, n=1 + i % 2)
     d.run()
     stats = d.s.stats()
-    assert stats["kv_blocks_free"] == 8 and stats["cpu_blocks_free"] == 4
-    assert stats["requests_running"] == stats["requests_waiting"] == stats["requests_swapped"] == 0
-    assert stats["prefix_cache_hit_tokens"] > 0
+    assert stats.kv_blocks_free == 8 and stats.cpu_blocks_free == 4
+    assert stats.requests_running == stats.requests_waiting == stats.requests_swapped == 0
+    assert stats.prefix_cache_hit_tokens > 0
 
 
 # -- oversubscription and random operation sequences --------------------------------------------

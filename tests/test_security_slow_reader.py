@@ -19,8 +19,8 @@ import httpx
 import pytest
 from gateway_fixtures import LiveServer, redis_proc, wait_personas_pinned  # noqa: F401
 
-from engine.client import DeltaQueue, StreamCounters, StreamLimits, StreamOverflowError, relay_deltas
-from engine.engine import RequestDelta
+from engine.client import DeltaQueue, StreamCounters, StreamLimits, relay_deltas
+from engine.protocol import RequestDelta, StreamOverflowError
 
 
 def delta(index: int, text: str, tid: int, *, finished: bool = False, last: bool = False,
@@ -70,7 +70,9 @@ def test_deltas_of_a_slow_reader_are_merged_without_loss() -> None:
         assert [t for d in mine for t in d.token_ids] == [t for d in want for t in d.token_ids]
         assert [lp for d in mine for lp in d.logprobs or []] == [lp for d in want for lp in d.logprobs or []]
         assert mine[-1].finished and mine[-1].finish_reason == "length" and mine[-1].completion_tokens == 199
-    assert q.buffered == 0
+    # Reading released what was buffered: a whole bound's worth of new output fits again.
+    q.put_nowait(RequestDelta("r", 0, "", list(range(10_000)), False, None, None, 3, 0, 0))
+    assert not aborted and counters.overflowed == 0
 
 
 def test_merged_deltas_are_joined_once_when_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -108,7 +110,7 @@ def test_output_past_the_hard_cap_aborts_the_request_once_and_tells_the_reader()
     for step in range(150):
         q.put_nowait(delta(0, "x", step, logprobs=True))
     assert aborted == [1] and counters.overflowed == 1
-    assert len(q) == 1 and q.buffered == 0  # what was buffered is dropped at once
+    assert len(q) == 1  # what was buffered is dropped at once: only the error is left
 
     seen: list[bool] = []
 
@@ -218,7 +220,7 @@ def wait_until(cond: Any, timeout_s: float, what: str) -> None:
 
 def idle(eng: Any) -> bool:
     s = eng.stats()
-    return bool(s["requests_running"] == 0 and s["requests_waiting"] == 0)
+    return bool(s.requests_running == 0 and s.requests_waiting == 0)
 
 
 @pytest.mark.integration
@@ -237,7 +239,7 @@ def test_a_slow_reader_gets_the_whole_reply_from_a_bounded_queue(live: tuple[Liv
     eng.stream_limits = StreamLimits(limits.coalesce_after, max_buffered=10**7)  # this test is about merging
     try:
         slow = SlowClient(server.port, BODY)
-        wait_until(lambda: eng.stats()["requests_running"] > 0, 30, "the request to start")
+        wait_until(lambda: eng.stats().requests_running > 0, 30, "the request to start")
         longest = 0
         deadline = time.monotonic() + 120
         # The engine finishes the whole reply while the client reads nothing; meanwhile its queue stays short.
@@ -265,7 +267,7 @@ def test_a_reader_past_the_hard_cap_is_cut_off_with_an_error_and_its_request_abo
         live: tuple[LiveServer, Any]) -> None:
     server, eng = live
     wait_until(lambda: idle(eng), 30, "an idle engine")
-    free_at_idle = eng.stats()["kv_blocks_free"]
+    free_at_idle = eng.stats().kv_blocks_free
     limits = eng.stream_limits
     eng.stream_limits = StreamLimits(limits.coalesce_after, max_buffered=20_000)
     try:
@@ -276,7 +278,7 @@ def test_a_reader_past_the_hard_cap_is_cut_off_with_an_error_and_its_request_abo
     finally:
         eng.stream_limits = limits
     # Every block back but the default persona's pinned prompt (as before the request).
-    wait_until(lambda: eng.stats()["kv_blocks_free"] == free_at_idle, 10, "every block free")
+    wait_until(lambda: eng.stats().kv_blocks_free == free_at_idle, 10, "every block free")
     got = events(slow.read_all())
     assert got[-1] == "[DONE]"
     error = got[-2]
@@ -303,7 +305,7 @@ def test_the_thread_engine_bounds_a_slow_readers_queue_too(tmp_path: Path) -> No
         try:
             async def engine_idle_after_running() -> None:
                 for want_running in (True, False):  # the engine's stats lag its first delta
-                    while bool(eng.stats()["requests_running"]) != want_running:
+                    while bool(eng.stats().requests_running) != want_running:
                         await asyncio.sleep(0.005)
 
             def params(max_tokens: int) -> SamplingParams:
@@ -322,12 +324,12 @@ def test_the_thread_engine_bounds_a_slow_readers_queue_too(tmp_path: Path) -> No
             stream = eng.generate("overflows", params(1000), prompt="Hello")
             await anext(stream)
             for _ in range(3000):
-                if eng.stream_counters.overflowed and not eng.stats()["requests_running"]:
+                if eng.stream_counters.overflowed and not eng.stats().requests_running:
                     break
                 await asyncio.sleep(0.01)
             assert eng.stream_counters.overflowed == 1
             s = eng.stats()
-            assert s["requests_running"] == 0 and s["kv_blocks_free"] == s["kv_blocks_total"]
+            assert s.requests_running == 0 and s.kv_blocks_free == s.kv_blocks_total
             with pytest.raises(StreamOverflowError):
                 async for _ in stream:
                     pass

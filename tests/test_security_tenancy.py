@@ -144,7 +144,7 @@ def test_refused_personas_store_nothing(server: LiveServer) -> None:
 
 
 def _pinned_blocks(server: LiveServer) -> int:
-    return sum(len(b) for b in server.engine.kv_snapshot().get("pins", {}).values())  # type: ignore[attr-defined]
+    return sum(len(b) for b in server.engine.kv_snapshot().pins.values())  # type: ignore[attr-defined]
 
 
 def test_pins_stay_under_the_cap_least_recently_used_first(server: LiveServer) -> None:

@@ -79,7 +79,7 @@ def test_one_key_holds_at_most_its_share_of_the_waiting_queue(server: LiveServer
         lines = long.iter_lines()
         next(lines)  # generating (the iterator is kept: dropping it would close the response)
         threads = [queued("a1", A), queued("a2", A)]
-        wait_until(lambda: sum(gw.quotas.waiting.values()) == 2 and gw.engine.stats()["requests_waiting"] == 2,
+        wait_until(lambda: sum(gw.quotas.waiting.values()) == 2 and gw.engine.stats().requests_waiting == 2,
                    30, "key A's two requests to wait in the engine's queue")
         refused = completion(server, A)
         assert refused.status_code == 429 and refused.headers["retry-after"].isdigit()
@@ -92,8 +92,8 @@ def test_one_key_holds_at_most_its_share_of_the_waiting_queue(server: LiveServer
         assert httpx.get(f"{server.url}/v1/sessions/{sid}", headers=A).json()["messages"] == []
         # Another key still finds room in the queue.
         threads.append(queued("b1", B))
-        wait_until(lambda: gw.engine.stats()["requests_waiting"] == 3, 30, "key B's request to be queued")
-        assert gw.engine.stats()["requests_running"] == 1
+        wait_until(lambda: gw.engine.stats().requests_waiting == 3, 30, "key B's request to be queued")
+        assert gw.engine.stats().requests_running == 1
     # The long reply's reader left: it is aborted, and every queued request is served.
     for t in threads:
         t.join(120)

@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import engine.tokenizer as tokmod
-from engine.loader import default_model_path
 from engine.model.testing import make_tiny_tokenizer
+from engine.model_files import default_model_path
 from engine.tokenizer import Tokenizer, decode_mode, gguf_tokenizer_dir
 
 TEXTS = [
@@ -178,8 +178,25 @@ def test_gguf_tokenizer_conversion_is_cached(gguf_pair: tuple[Tokenizer, object,
         def from_pretrained(*args: object, **kwargs: object) -> None:
             raise AssertionError("converted again despite the cache")
 
-    monkeypatch.setattr(tokmod, "AutoTokenizer", NoConversion)
+    monkeypatch.setattr(tokmod.transformers, "AutoTokenizer", NoConversion)
     assert gguf_tokenizer_dir(default_model_path()) == converted
+
+
+def test_a_converted_tokenizer_loads_without_torch(gguf_pair: tuple[Tokenizer, object, Path]) -> None:
+    """A gateway without a model tokenizes with the class the tokenizer's config names, not AutoTokenizer
+    (whose model-config machinery imports torch)."""
+    import os
+    import subprocess
+    import sys
+
+    _, _, cache = gguf_pair
+    code = ("import sys\nfrom engine.tokenizer import Tokenizer, gguf_tokenizer_dir\n"
+            "from engine.model_files import default_model_path\n"
+            "tok = Tokenizer.from_dir(gguf_tokenizer_dir(default_model_path()))\n"
+            "assert tok.encode('Hello') and 'torch' not in sys.modules, sorted(sys.modules)[:3]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "CHATSVC_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_unwritable_cache_falls_back_to_in_memory_conversion(tiny: Tokenizer, monkeypatch: pytest.MonkeyPatch,

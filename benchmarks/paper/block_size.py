@@ -129,7 +129,7 @@ def throughput(block_size: int, work: ThroughputWorkload) -> tuple[float, float,
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = engine.stats()
     tokens = sum(work.output_lens)
-    return tokens / seconds, tokens / cpu_seconds, stats["preemptions_swap"] + stats["preemptions_recompute"]
+    return tokens / seconds, tokens / cpu_seconds, stats.preemptions_swap + stats.preemptions_recompute
 
 
 def throughput_ratios(sizes: list[int], work: ThroughputWorkload,

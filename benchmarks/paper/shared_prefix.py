@@ -60,7 +60,7 @@ def run(prefix: list[int], users: list[list[int]], caching: bool, args: argparse
     engine.add_request("warmup", params, prompt_token_ids=prefix + users[0])
     while engine.has_unfinished():
         engine.step()
-    hits_before = engine.stats()["prefix_cache_hit_tokens"]
+    hits_before = engine.stats().prefix_cache_hit_tokens
     for i, user in enumerate(users):
         engine.add_request(f"r{i}", params, prompt_token_ids=prefix + user)
     start = time.perf_counter()
@@ -69,8 +69,8 @@ def run(prefix: list[int], users: list[list[int]], caching: bool, args: argparse
     seconds = time.perf_counter() - start
     stats = engine.stats()
     return Run(len(prefix), caching, len(users), seconds, len(users) / seconds,
-               stats["prefix_cache_hit_tokens"] - hits_before,
-               stats["preemptions_swap"] + stats["preemptions_recompute"])
+               stats.prefix_cache_hit_tokens - hits_before,
+               stats.preemptions_swap + stats.preemptions_recompute)
 
 
 def plot(runs: list[Run], path: Path, title: str) -> None:

@@ -181,7 +181,7 @@ def measure_beams(workload: str, prompts: list[list[int]], k: int, args: argpars
     while engine.has_unfinished():
         engine.step()
     stats = engine.stats()
-    assert stats["preemptions_swap"] + stats["preemptions_recompute"] == 0, "raise --beam-kv-blocks"
+    assert stats.preemptions_swap + stats.preemptions_recompute == 0, "raise --beam-kv-blocks"
     return Sharing(workload, k, len(prompts), sum(len(p) for p in prompts) / len(prompts), count.steps,
                    count.held / count.steps, count.unshared / count.steps, 1 - count.held / count.unshared, "beam")
 

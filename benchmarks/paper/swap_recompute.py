@@ -170,7 +170,7 @@ def run_once(work: Workload, mode: str, requests: int) -> tuple[float, float, in
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = engine.stats()
     tokens = requests * work.output
-    return tokens / seconds, tokens / cpu_seconds, stats["preemptions_swap"], stats["preemptions_recompute"]
+    return tokens / seconds, tokens / cpu_seconds, stats.preemptions_swap, stats.preemptions_recompute
 
 
 def end_to_end(scale: float, rounds: int) -> list[EndToEnd]:

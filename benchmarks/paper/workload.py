@@ -39,7 +39,7 @@ def sharegpt_prompt_lengths() -> list[int]:
 
 def sharegpt_prompt_ids() -> list[list[int]]:
     """Every ShareGPT prompt in the default model's chat template, as token ids, in file order."""
-    from engine.loader import load_tokenizer
+    from engine.model_files import load_tokenizer
 
     for path in DATA_CANDIDATES:
         if path.exists():
