@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.client import EngineClient
@@ -53,6 +53,9 @@ class EngineCollector(Collector):
         pre.add_metric(["swap"], float(s.preemptions_swap))
         pre.add_metric(["recompute"], float(s.preemptions_recompute))
         yield pre
+        if s.runtime:
+            yield InfoMetricFamily("chatsvc_engine_runtime", "What the engine computes with: kernel set, ISA, dtype, "
+                                   "threads", value={k: "" if v is None else str(v) for k, v in s.runtime.items()})
         yield from _worker_metrics(s)
 
 

@@ -561,6 +561,7 @@ class RemoteEngine(EngineClient):
         return EngineStats(
             **summed, engine_state="running" if self.is_running else "no workers",
             last_step_age_s=max((b.stats.last_step_age_s for b in beats), default=0.0),
+            runtime=next((b.stats.runtime for b in beats if b.stats.runtime), None),
             workers={b.worker: b.stats.worker_view(tuple(b.pins), b.draining) for b in beats},
             route_decisions=dict(self.router.decisions), failovers=self.failovers,
             hop_seconds=self.hop_seconds, hop_entries=self.hop_entries,

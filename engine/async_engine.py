@@ -60,6 +60,7 @@ class AsyncEngine(CoreClient):
         self.engine = llm_engine
         self.core = EngineCore(llm_engine)
         super().__init__(llm_engine.tokenizer, self.core.info(), stream_limits)
+        log.info("engine thread: %s; %s", self.info.model_name, self.info.runtime_summary)
         self._channel: _ThreadChannel | None = None
         self._thread: threading.Thread | None = None
         self._state = "loaded"

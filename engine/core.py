@@ -35,6 +35,7 @@ from engine.protocol import (
     WantSnapshot,
 )
 from engine.request import SequenceGroup
+from kernels.runtime import describe_runtime
 
 log = logging.getLogger("chatsvc.engine")
 
@@ -64,13 +65,15 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         engine, sched = self.engine, self.engine.scheduler_config
+        runtime = describe_runtime(engine.runner.backend, engine.dtype, engine.config.device)
         return EngineInfo(
             protocol=PROTOCOL_VERSION, pid=os.getpid(), model_name=engine.model_name,
             max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
             max_num_seqs=sched.max_num_seqs, max_waiting=sched.max_waiting,
             block_size=engine.block_size_tokens_min(), eos_token_ids=frozenset(engine.eos_token_ids),
             threads=torch.get_num_threads(), allocator=self.allocator, omp_wait_policy=self.omp_wait_policy,
-            stats=engine.stats(), snapshot=engine.kv_snapshot())
+            runtime=runtime.as_dict(), runtime_summary=runtime.describe(), stats=engine.stats(),
+            snapshot=engine.kv_snapshot())
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, channel: CoreChannel) -> None:

@@ -152,8 +152,8 @@ class ProcessEngine(CoreClient):
 
     @staticmethod
     def _log_child(info: EngineInfo) -> None:
-        log.info("engine process %d: %s, %d torch threads, %s, OpenMP waits: %s", info.pid, info.model_name,
-                 info.threads, info.allocator, info.omp_wait_policy)
+        log.info("engine process %d: %s; %s; %s, OpenMP waits: %s", info.pid, info.model_name,
+                 info.runtime_summary, info.allocator, info.omp_wait_policy)
 
     @staticmethod
     def _reap(proc: BaseProcess, timeout_s: float) -> None:

@@ -207,7 +207,7 @@ class CoreClient(EngineClient):
         """The core's latest counters, with this client's view: state, restarts, the age of the core's last
         output (its heartbeat: it only grows while the core is idle, stuck or dead), stream counters."""
         return dataclasses.replace(
-            self._stats, engine_state=self.state, engine_restarts=self.restarts,
+            self._stats, runtime=self.info.runtime, engine_state=self.state, engine_restarts=self.restarts,
             last_step_age_s=time.monotonic() - self._heartbeat, max_waiting=self.info.max_waiting,
             stream_deltas_coalesced=self.stream_counters.coalesced,
             streams_overflowed=self.stream_counters.overflowed)

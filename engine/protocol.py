@@ -348,6 +348,8 @@ class EngineStats:
     prefill_seconds_per_token: float = 0.0
     step_threads: int | None = None
     step_thread_switches: int | None = None
+    # What the engine computes with (kernels.runtime.KernelRuntime: kernel set, ISA, dtype, threads)
+    runtime: dict[str, str | int | None] | None = None
     # The client's view
     engine_state: str = "running"
     last_step_age_s: float = 0.0
@@ -363,7 +365,7 @@ class EngineStats:
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for name in ("workers", "route_decisions"):
+        for name in ("workers", "route_decisions", "runtime"):
             if data[name] is None:
                 del data[name]
         return data
@@ -379,6 +381,8 @@ class EngineStats:
             v = d[f.name]
             if f.name == "engine_state":
                 kwargs[f.name] = _str(v, f.name, 64)
+            elif f.name == "runtime":
+                kwargs[f.name] = None if v is None else _runtime(v)
             elif f.name in ("step_threads", "step_thread_switches"):
                 kwargs[f.name] = None if v is None else _int(v, f.name)
             elif f.type == "float":
@@ -440,6 +444,17 @@ class KVSnapshot:
                    requests=blocks(d.get("requests"), "requests"), pins=blocks(d.get("pins"), "pins"))
 
 
+def _runtime(v: Any) -> dict[str, str | int | None]:
+    d = _obj(v, "runtime")
+    if len(d) > 16:
+        raise ProtocolError("runtime has too many entries")
+    out: dict[str, str | int | None] = {}
+    for k, x in d.items():
+        key = _str(k, "runtime key", 32)
+        out[key] = x if x is None else _int(x, key) if isinstance(x, int) else _str(x, key, 512)
+    return out
+
+
 def _list(v: Any, what: str) -> list[Any]:
     if not isinstance(v, list):
         raise ProtocolError(f"{what} must be a list")
@@ -482,5 +497,7 @@ class EngineInfo:
     threads: int
     allocator: str
     omp_wait_policy: str
+    runtime: dict[str, str | int | None]  # kernels.runtime.KernelRuntime.as_dict()
+    runtime_summary: str  # its one line for the logs
     stats: EngineStats
     snapshot: KVSnapshot

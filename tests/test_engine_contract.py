@@ -258,6 +258,8 @@ async def test_stats_are_typed_and_follow_the_load(transport: Transport) -> None
     stats = eng.stats()
     assert isinstance(stats, EngineStats) and stats.engine_state == "running"
     assert stats.max_waiting > 0 and stats.to_json()["kv_blocks_total"] == 64
+    # What it computes with travels too: the torch kernels these tests ask for, in float32.
+    assert stats.runtime is not None and stats.runtime["kernels"] == "torch" and stats.runtime["dtype"] == "float32"
     stream = eng.generate("busy", dataclasses.replace(GREEDY, max_tokens=300), prompt=PROMPTS[2])
     await anext(stream)
     await wait_until(lambda: eng.stats().requests_running == 1, "the running request in the stats")

@@ -22,7 +22,9 @@ def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
 def test_engine_stats_become_gauges_and_counters(tmp_path: Path) -> None:
     engine = FakeEngine(tiny_tokenizer(tmp_path))
     engine.stats = lambda: EngineStats(kv_blocks_total=64, kv_blocks_free=48, preemptions_swap=3,  # type: ignore[method-assign]
-                                       preemptions_recompute=1, prefix_cache_hit_tokens=32)
+                                       preemptions_recompute=1, prefix_cache_hit_tokens=32,
+                                       runtime={"kernels": "cpp", "isa": "avx2", "dtype": "float32", "threads": 2,
+                                                "fallback": None})
     got = scrape(Metrics(engine))
     assert got[("chatsvc_kv_blocks_total", ())] == 64
     assert got[("chatsvc_kv_usage_ratio", ())] == 0.25
@@ -30,6 +32,8 @@ def test_engine_stats_become_gauges_and_counters(tmp_path: Path) -> None:
     assert got[("chatsvc_preemptions_total", (("mode", "recompute"),))] == 1
     assert got[("chatsvc_prefix_cache_hit_tokens_total", ())] == 32
     assert got[("chatsvc_requests_waiting", ())] == 0  # not set: 0
+    runtime = (("dtype", "float32"), ("fallback", ""), ("isa", "avx2"), ("kernels", "cpp"), ("threads", "2"))
+    assert got[("chatsvc_engine_runtime_info", runtime)] == 1
 
 
 def test_request_timer_observes_ttft_once_and_spreads_itl(tmp_path: Path) -> None:

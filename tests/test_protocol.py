@@ -77,12 +77,14 @@ def test_request_errors_carry_their_kind_and_come_back_as_that_exception() -> No
 
 def test_stats_round_trip_and_refuse_bad_values() -> None:
     stats = EngineStats(kv_blocks_total=64, kv_blocks_free=10, requests_running=3, max_waiting=8,
-                        swap_seconds_per_block=0.5, step_threads=2, engine_state="restarting")
+                        swap_seconds_per_block=0.5, step_threads=2, engine_state="restarting",
+                        runtime={"kernels": "cpp", "isa": "avx2", "threads": 2, "fallback": None})
     assert EngineStats.from_json(through_json(stats.to_json())) == stats
     assert "workers" not in stats.to_json()  # only an engine spread over workers has them
     assert EngineStats.from_json({"kv_blocks_total": 4, "later_field": 1}) == EngineStats(kv_blocks_total=4)
     for bad in ({"kv_blocks_total": -1}, {"requests_running": "3"}, {"swap_seconds_per_block": "x"},
-                {"engine_state": 5}, {"kv_blocks_free": True}, []):
+                {"engine_state": 5}, {"kv_blocks_free": True}, {"runtime": {"k": 1.5}},
+                {"runtime": {str(i): i for i in range(20)}}, []):
         with pytest.raises(ProtocolError):
             EngineStats.from_json(bad)
 
