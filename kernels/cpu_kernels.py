@@ -18,25 +18,25 @@ so a cache dir shared between machines never hands one CPU a binary built for an
 The best one /proc/cpuinfo allows is used; ``CHATSVC_CPU_ISA`` forces another (one this CPU can run), so
 the AVX2 and generic builds are exercised on an AVX-512 machine too. Only builds actually asked for are
 compiled (tens of seconds each, with the machine's C++ compiler through ``torch.utils.cpp_extension``),
-then cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``). ``scripts/setup.sh``
-builds the default one so the first request does not pay for it.
+then cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), one build or load at a
+time per extension (``kernels.build_lock``: a killed build's leftover lock never stalls the next).
+``scripts/setup.sh`` builds the default one so the first request does not pay for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
 from torch import Tensor
 
 from kernels.backend import ModelOps
+from kernels.build_lock import build_lock
 from kernels.reference import copy_blocks, swap_blocks
 
 log = logging.getLogger(__name__)
@@ -124,22 +124,6 @@ def load_extension(isa: str | None = None) -> ModuleType:
         raise
 
 
-# A build takes about a minute on two cores; a lock file this old was left by a build that was killed.
-STALE_LOCK_S = 600.0
-
-
-def _clear_stale_lock(name: str) -> None:
-    """torch's builder waits on ``<build dir>/lock`` with no timeout, so a build killed midway (a test
-    timeout, Ctrl-C) would make every later process hang at start; an old lock is removed instead."""
-    from torch.utils import cpp_extension
-
-    lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
-    with contextlib.suppress(FileNotFoundError):
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            log.warning("removing the stale build lock %s", lock)
-            lock.unlink()
-
-
 @functools.cache
 def _build(isa: str) -> ModuleType:
     return build_source(SOURCE, f"chatsvc_cpu_kernels_{isa}", isa)
@@ -151,17 +135,19 @@ def build_source(source: Path, name: str, isa: str) -> ModuleType:
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    _clear_stale_lock(name)
-    ext: ModuleType = cpp_extension.load(
-        name=name,
-        sources=[str(source)],
-        # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
-        # The extension then shares the libgomp torch already loaded (same soname). No FMA contraction
-        # of plain C++ expressions: the elementwise ops round exactly as torch's own kernels do.
-        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *ISAS[isa][1]],
-        extra_ldflags=["-fopenmp"],
-        verbose=bool(os.environ.get("CHATSVC_VERBOSE_BUILD")),
-    )
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with build_lock(build_dir):  # torch's own wait on a killed build's lock file never ends
+        ext: ModuleType = cpp_extension.load(
+            name=name,
+            sources=[str(source)],
+            # OpenMP: at::parallel_for is a header template; without -fopenmp it silently runs serially.
+            # The extension then shares the libgomp torch already loaded (same soname). No FMA contraction
+            # of plain C++ expressions: the elementwise ops round exactly as torch's own kernels do.
+            extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", *ISAS[isa][1]],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=bool(os.environ.get("CHATSVC_VERBOSE_BUILD")),
+        )
     return ext
 
 
