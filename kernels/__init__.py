@@ -11,7 +11,7 @@ import logging
 import torch
 
 from kernels import reference
-from kernels.backend import AttentionBackend, ModelOps
+from kernels.backend import AttentionBackend, LayerStack, ModelOps, StackedLayer, StackShape, no_layer_stack
 
 REFERENCE_OPS = ModelOps(fused_add_rms_norm=reference.fused_add_rms_norm, silu_and_mul=reference.silu_and_mul,
                          rotary_embedding=reference.rotary_embedding)
@@ -29,6 +29,7 @@ class TorchBackend:
     paged_attention_prefill = staticmethod(reference.paged_attention_prefill)
     copy_blocks = staticmethod(reference.copy_blocks)
     swap_blocks = staticmethod(reference.swap_blocks)
+    layer_stack = staticmethod(no_layer_stack)
 
 
 log = logging.getLogger(__name__)
@@ -62,4 +63,5 @@ def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> Atten
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")
 
 
-__all__ = ["REFERENCE_OPS", "AttentionBackend", "ModelOps", "TorchBackend", "get_backend", "reference"]
+__all__ = ["REFERENCE_OPS", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "TorchBackend",
+           "get_backend", "reference"]

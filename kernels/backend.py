@@ -7,7 +7,7 @@ engine's runner builds them that way once per step; a kernel may reject anything
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +29,55 @@ class ModelOps:
     fused_add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], None]
     silu_and_mul: Callable[[Tensor], Tensor]
     rotary_embedding: Callable[[Tensor, Tensor, Tensor], None]
+
+
+@dataclass(frozen=True)
+class StackedLayer:
+    """One Llama-layout decoder layer's weights for ``AttentionBackend.layer_stack``: the two norms' weights
+    and the four projections packed for oneDNN (``engine.model.linear.pack_weight``), Q/K/V and gate/up
+    fused as the model holds them, each with its bias or None."""
+
+    input_norm: Tensor
+    qkv: Tensor
+    o: Tensor
+    post_norm: Tensor
+    gate_up: Tensor
+    down: Tensor
+    qkv_bias: Tensor | None = None
+    o_bias: Tensor | None = None
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """What the layers of a ``layer_stack`` share: the norms' epsilon and the attention heads' shape."""
+
+    eps: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+
+class LayerStack(Protocol):
+    """A model's decoder layers and final norm as one kernel call: the same ops in the same order as the
+    layer modules, so the same output, without the Python between them."""
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, slot_mapping: Tensor,
+                block_tables: Tensor, query_start_loc: Tensor | None, context_lens: Tensor,
+                num_tokens: int) -> Tensor:
+        """``h``: the step's embeddings ``[T, hidden]``; cos, sin ``[T, D/2]``; ``kv_cache`` ``[layers, 2, ...]``;
+        ``query_start_loc`` None when every sequence is a one-token decode; ``num_tokens``: the real rows
+        when T is padded (attention neither stores nor attends from the rest). Returns the final-normed
+        hidden states ``[T, hidden]``; writes each layer's K/V into the cache."""
+        ...
+
+
+def no_layer_stack(layers: Sequence[StackedLayer], final_norm: Tensor, shape: StackShape) -> LayerStack | None:
+    """``layer_stack`` of a backend without such a kernel: the model runs its layers module by module."""
+    del layers, final_norm, shape
+    return None
 
 
 class AttentionBackend(Protocol):
@@ -73,5 +122,9 @@ class AttentionBackend(Protocol):
     def swap_blocks(self, src: Tensor, dst: Tensor, block_mapping: Tensor) -> None:
         """Copy blocks ``(src, dst)`` between the device and the CPU pool (swap out / in). In place on dst."""
 
+    def layer_stack(self, layers: Sequence[StackedLayer], final_norm: Tensor, shape: StackShape) -> LayerStack | None:
+        """The decoder layers (in order) and the final norm as one call, or None where this backend has no
+        such kernel (``no_layer_stack``)."""
 
-__all__ = ["AttentionBackend", "ModelOps"]
+
+__all__ = ["AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "no_layer_stack"]

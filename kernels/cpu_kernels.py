@@ -25,17 +25,19 @@ time per extension (``kernels.build_lock``: a killed build's leftover lock never
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 from torch import Tensor
 
-from kernels.backend import ModelOps
+from kernels.backend import LayerStack, ModelOps, StackedLayer, StackShape
 from kernels.build_lock import build_lock
 from kernels.reference import copy_blocks, swap_blocks
 
@@ -220,6 +222,18 @@ class CpuKernels:
         expression does (two products, then one add or subtract)."""
         half = qk.shape[-1] // 2
         self.ext.rotary_embedding(qk, cos.reshape(-1, half), sin.reshape(-1, half))
+
+    def layer_stack(self, layers: Sequence[StackedLayer], final_norm: Tensor, shape: StackShape) -> LayerStack | None:
+        """The C++ ``DecoderStack`` over ``layers``: each layer's ops as the modules run them, through these
+        kernels and oneDNN's packed GEMMs. None for an extension built before it existed (another commit's
+        kernels, benchmarks/cpu_attention.py --base)."""
+        if not hasattr(self.ext, "DecoderStack"):
+            return None
+        weights = [self.ext.LayerWeights(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)})
+                   for layer in layers]
+        stack: LayerStack = self.ext.DecoderStack(weights, final_norm, shape.eps, shape.num_heads, shape.num_kv_heads,
+                                                  shape.head_dim, shape.scale)
+        return stack
 
 
 __all__ = ["ISAS", "CpuKernels", "load_extension", "selected_isa", "supported_isas", "testable_isas"]

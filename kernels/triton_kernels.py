@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels import REFERENCE_OPS, reference
+from kernels.backend import no_layer_stack
 
 LOG2E = 1.4426950408889634
 
@@ -589,3 +590,4 @@ class TritonBackend:
     paged_attention_prefill = staticmethod(paged_attention_prefill)
     copy_blocks = staticmethod(copy_blocks)
     swap_blocks = staticmethod(swap_blocks)
+    layer_stack = staticmethod(no_layer_stack)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from engine.model.attention import AttentionMetadata, PagedAttention, prefill_metadata
-from kernels import REFERENCE_OPS, AttentionBackend
+from kernels import REFERENCE_OPS, AttentionBackend, LayerStack, StackedLayer, StackShape
 
 
 def test_prefill_metadata_lays_out_blocks_and_slots() -> None:
@@ -60,6 +61,10 @@ class RecordingBackend:
         self.calls.append(("prefill", {"rows": query.shape[0], "tables": block_tables.tolist(),
                                        "starts": query_start_loc.tolist(), "lens": context_lens.tolist()}))
         return torch.full_like(query, 2.0)
+
+    def layer_stack(self, layers: Sequence[StackedLayer], final_norm: torch.Tensor,
+                    shape: StackShape) -> LayerStack | None:
+        raise AssertionError("not called by the layer")
 
 
 def mixed_step_metadata() -> AttentionMetadata:

@@ -21,7 +21,7 @@ from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import Linear, pack_weight, packed_linear
 from engine.model.parallel import TensorParallel, row_linear
 from engine.model.quant import Int8Weight, make_int8_weight
-from kernels import AttentionBackend, ModelOps
+from kernels import AttentionBackend, LayerStack, ModelOps, StackedLayer, StackShape
 
 
 class Embedding(nn.Module):
@@ -165,6 +165,11 @@ def _bias(linear: Linear) -> Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
 
 
+def _packed(linear: Linear) -> Tensor:
+    assert linear.packed is not None, "fuse_layers checks every projection is packed first"
+    return linear.packed
+
+
 # HF checkpoint names that land in one of our fused weights: suffix -> (fused suffix, shard index).
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
@@ -194,8 +199,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: Tensor | None = None
         self.lm_head_int8: Int8Weight | None = None
         self.backend = backend
-        # The layer loop in one C++ call (fuse_layers), or None: the modules below, layer by layer.
-        self.stack: Any = None
+        # The layer loop in one kernel call (fuse_layers), or None: the modules below, layer by layer.
+        self.stack: LayerStack | None = None
 
     def pack_linears(self) -> None:
         """Pack every projection and the LM head (the tied embedding gets a packed copy) for oneDNN.
@@ -209,27 +214,27 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = pack_weight(self._lm_head_weight())
 
     def fuse_layers(self) -> bool:
-        """Run the decoder layers as one call into the C++ kernels from now on (``DecoderStack``: the same
-        ops in the same order, so the same output, without the Python between them), where every piece
-        has its C++ form: the C++ backend, every projection packed for oneDNN, no int8, no tensor
-        parallelism. Call after pack_linears. Returns whether it did; ``stack = None`` goes back."""
-        ext = getattr(self.backend, "ext", None)
+        """Run the decoder layers as one call into the kernels from now on (the backend's ``layer_stack``:
+        the same ops in the same order, so the same output, without the Python between them), where every
+        piece has that form: a backend with such a kernel (the C++ one), every projection packed for
+        oneDNN, no int8, no tensor parallelism. Call after pack_linears. Returns whether it did;
+        ``stack = None`` goes back."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        if (ext is None or not hasattr(ext, "DecoderStack") or self.tp is not None
-                or any(m.packed is None or m.int8 is not None for m in linears)):
+        if self.tp is not None or any(m.packed is None or m.int8 is not None for m in linears):
             return False
         layers = []
         for layer in typing.cast(list[LlamaDecoderLayer], list(self.model.layers)):
             attn, mlp = layer.self_attn, layer.mlp
-            layers.append(ext.LayerWeights(
-                input_norm=layer.input_layernorm.weight.detach(), qkv=attn.qkv_proj.packed, o=attn.o_proj.packed,
-                post_norm=layer.post_attention_layernorm.weight.detach(), gate_up=mlp.gate_up_proj.packed,
-                down=mlp.down_proj.packed, qkv_bias=_bias(attn.qkv_proj), o_bias=_bias(attn.o_proj),
+            layers.append(StackedLayer(
+                input_norm=layer.input_layernorm.weight.detach(), qkv=_packed(attn.qkv_proj), o=_packed(attn.o_proj),
+                post_norm=layer.post_attention_layernorm.weight.detach(), gate_up=_packed(mlp.gate_up_proj),
+                down=_packed(mlp.down_proj), qkv_bias=_bias(attn.qkv_proj), o_bias=_bias(attn.o_proj),
                 gate_up_bias=_bias(mlp.gate_up_proj), down_bias=_bias(mlp.down_proj)))
         c = self.layer_config
-        self.stack = ext.DecoderStack(layers, self.model.norm.weight.detach(), self.model.norm.eps, c.num_heads,
-                                      c.num_kv_heads, c.head_dim, c.head_dim**-0.5)
-        return True
+        shape = StackShape(eps=self.model.norm.eps, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                           head_dim=c.head_dim, scale=c.head_dim**-0.5)
+        self.stack = self.backend.layer_stack(layers, self.model.norm.weight.detach(), shape)
+        return self.stack is not None
 
     def run_linears(self, rows: int) -> None:
         """Every projection and the LM head once on ``rows`` zero rows (timing probes; no other work)."""
