@@ -1,4 +1,4 @@
-"""Tensor parallelism's processes: starting the ranks, the step plan each step sends them, their loop.
+"""Tensor parallelism: the step plan rank 0 sends the other ranks each step, rank 0's runner, their loop.
 
 Layout. Rank 0 is the engine: ``LLMEngine`` with its scheduler, block manager and sampler, and its own shard
 of the model (see ``engine.model.parallel``) run by ``DriverRunner``. Ranks 1..N-1 hold only a shard and a
@@ -10,15 +10,12 @@ pass, whose all-reduces (after ``o_proj`` and ``down_proj``) and logits gather (
 Preemption is therefore all-or-nothing across ranks: it is a decision of rank 0's scheduler, and the plan
 carries its block moves to every rank.
 
-Two process groups: the default one (gloo on CPU, NCCL on CUDA) carries the model's collectives with a
-timeout of ``COLLECTIVE_TIMEOUT_S``, so a rank that hangs inside a step fails it instead of stalling the
-engine; a gloo group carries the plans (Python objects), with a long timeout because a worker waits there
-for as long as the engine idles.
-
-Launch. ``LLMEngine(tensor_parallel_size=N)`` spawns ranks 1..N-1 itself (``torch.multiprocessing``, spawn
-start method, rendezvous on a free local port). Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set, env://
-rendezvous), rank 0 joins the ranks torchrun started and the others run ``serve_launched_rank``: ``chatsvc
-serve`` calls it before anything else, and ``LLMEngine`` does when it is constructed on such a rank.
+Launch (``engine.tp_group``). ``LLMEngine(tensor_parallel_size=N)`` starts ranks 1..N-1 itself, each a
+``python -m engine.tp_rank`` process, so an engine starts its ranks from a REPL, a notebook or stdin as from
+a script file. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set, env:// rendezvous), rank 0 joins the ranks
+torchrun started, which run ``serve_launched_rank``: ``chatsvc serve`` calls it before anything else, and
+``torchrun -m engine.tp_rank script.py`` runs the script on rank 0 only. ``LLMEngine`` itself only ever
+becomes rank 0: built on another launched rank, it refuses at once.
 
 Failure. A rank that dies makes rank 0 raise ``RankDiedError`` (an ``EngineDeadError``): spawned ranks are
 checked before every step, and a collective with a dead peer fails at once (its socket closes), one with a
@@ -31,24 +28,18 @@ every rank raises alike (a bad input) keeps the ranks in step: the workers skip 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
-import multiprocessing as mp
 import os
-import signal
-import socket
 import traceback
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.multiprocessing.spawn import ProcessContext, start_processes
 
-from engine.client import EngineDeadError
 from engine.config import CacheConfig, EngineConfig
 from engine.loader import load_model
 from engine.model import ModelConfig
@@ -56,20 +47,24 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import CollectiveError, TensorParallel
 from engine.plan import PlannedSeq, ScheduledSeq, SchedulerOutput, StepSeq
 from engine.runner import ModelRunner
+from engine.tp_group import (
+    COLLECTIVE_TIMEOUT_S,
+    RankDiedError,
+    RankProcess,
+    first_exited,
+    join_group,
+    launched_rank,
+    rank_device,
+    start_group,
+)
 from kernels import AttentionBackend, get_backend
 
 log = logging.getLogger("chatsvc.engine")
 
-COLLECTIVE_TIMEOUT_S = 120.0
-_PLAN_TIMEOUT = datetime.timedelta(days=3650)
 _JOIN_TIMEOUT_S = 10.0
 _EXIT_WAIT_S = 0.5
 
 BlockMoves = tuple[tuple[int, int], ...]
-
-
-class RankDiedError(EngineDeadError):
-    """A tensor-parallel rank died or stopped answering: the engine cannot run without its shard."""
 
 
 # ---- messages (rank 0 -> workers) ----------------------------------------------------------------
@@ -132,14 +127,7 @@ class RankTables:
             self.tables.pop(seq_id, None)
 
 
-# ---- process groups and threads ------------------------------------------------------------------
-
-
-def launched_rank() -> int | None:
-    """This process's rank when torchrun (or another env:// launcher) started it, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
-        return int(os.environ["RANK"])
-    return None
+# ---- threads ------------------------------------------------------------------------------------
 
 
 def _cores() -> int:
@@ -154,95 +142,43 @@ def threads_per_rank(config: EngineConfig) -> int:
     return max(1, (config.engine_threads or _cores()) // local_ranks)
 
 
-def _device(config: EngineConfig, rank: int) -> str:
-    if config.device != "cuda":
-        return config.device
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    return f"cuda:{local}"
-
-
-def _init_groups(rank: int, size: int, init_method: str, device: str) -> dist.ProcessGroup:
-    """The default group (the model's collectives) and the plans' gloo group, which is returned."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    group: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=_PLAN_TIMEOUT)
-    assert group is not None, "every rank is a member"
-    return group
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def _may_start_children() -> Iterator[None]:
-    """multiprocessing refuses children to a daemonic process (the engine process the gateway spawns), so
-    that none outlives it. The ranks are daemonic themselves and exit when this process's end of their
-    process group closes, so the rule's concern is met; it is lifted while they start."""
-    proc = mp.current_process()
-    daemon = proc.daemon
-    if daemon:
-        proc.daemon = False
-    try:
-        yield
-    finally:
-        if daemon:
-            proc.daemon = True
-
-
 # ---- rank 0 --------------------------------------------------------------------------------------
 
 
-def _dead_rank(context: ProcessContext | None) -> str | None:
-    """A description of the first spawned rank that has exited, else None."""
-    for index, proc in enumerate(context.processes if context is not None else ()):
-        if not proc.is_alive():
-            return f"rank {index + 1} exited with code {proc.exitcode}"
-    return None
+def rank_zero(config: EngineConfig) -> TensorParallel:
+    """Rank 0's share of a tensor-parallel engine, checked before anything loads: this process must not be
+    a launched rank other than 0 (those serve a shard: ``python -m engine.tp_rank``, ``chatsvc serve``),
+    and a launcher's group must have the engine's size."""
+    size, rank = config.tensor_parallel_size, launched_rank()
+    if rank is not None and rank != 0:
+        raise RuntimeError(
+            f"this process is rank {rank} of {os.environ['WORLD_SIZE']} started by a launcher (RANK is set): an "
+            "engine runs on rank 0 only, the other ranks serve its steps. Run the script through the rank entry "
+            "module (torchrun ... -m engine.tp_rank script.py), or run chatsvc serve on every rank")
+    if rank == 0 and int(os.environ["WORLD_SIZE"]) != size:
+        raise ValueError(f"tensor_parallel_size {size} differs from the launcher's WORLD_SIZE "
+                         f"{os.environ['WORLD_SIZE']}")
+    return TensorParallel(0, size)
 
 
 class _Ranks:
-    """Rank 0's hold on the group: the processes it spawned (none under torchrun) and the plan group."""
+    """Rank 0's hold on the group: the rank processes it started (none under torchrun) and the plan group."""
 
-    def __init__(self, size: int, plan_group: dist.ProcessGroup, context: ProcessContext | None) -> None:
+    def __init__(self, size: int, plan_group: dist.ProcessGroup, procs: list[RankProcess]) -> None:
         self.size = size
         self.plan_group = plan_group
-        self.context = context
+        self.procs = procs
         self.failed: str | None = None
         self.closed = False
 
     @classmethod
     def start(cls, config: EngineConfig) -> _Ranks:
-        size = config.tensor_parallel_size
-        device = _device(config, 0)
-        if launched_rank() is not None:
-            if int(os.environ["WORLD_SIZE"]) != size:
-                raise ValueError(f"tensor_parallel_size {size} differs from the launcher's WORLD_SIZE "
-                                 f"{os.environ['WORLD_SIZE']}")
-            return cls(size, _init_groups(0, size, "env://", device), None)
-        if dist.is_initialized():
-            raise RuntimeError("a tensor-parallel engine already runs in this process (one process group each)")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        with _may_start_children():
-            context: ProcessContext = start_processes(  # type: ignore[no-untyped-call]
-                _spawned_main, args=(init_method, config), nprocs=size - 1, join=False, daemon=True,
-                start_method="spawn")
-        try:
-            group = _init_groups(0, size, init_method, device)
-        except Exception as exc:
-            dead = _dead_rank(context)
-            for proc in context.processes:
-                proc.kill()
-            raise RankDiedError(f"tensor-parallel ranks did not join: {dead or exc}") from exc
-        return cls(size, group, context)
+        group, procs = start_group(config.tensor_parallel_size, config.device)
+        return cls(config.tensor_parallel_size, group, procs)
 
     def dead_rank(self) -> str | None:
-        return _dead_rank(self.context)
+        """Why the first started rank that has exited is gone, else None."""
+        return first_exited(self.procs)
 
     def check(self) -> None:
         if self.failed is None:
@@ -251,7 +187,7 @@ class _Ranks:
             raise RankDiedError(f"tensor-parallel engine is down: {self.failed}")
 
     def fail(self, exc: BaseException) -> RankDiedError:
-        for proc in self.context.processes if self.context is not None else ():
+        for proc in self.procs:
             proc.join(_EXIT_WAIT_S)  # a killed peer's socket closes before its exit status is there to read
         self.failed = self.dead_rank() or f"{type(exc).__name__}: {exc}"
         return RankDiedError(f"tensor-parallel engine is down: {self.failed}")
@@ -278,12 +214,9 @@ class _Ranks:
         if self.failed is None and self.dead_rank() is None:
             with contextlib.suppress(Exception):
                 dist.broadcast_object_list([Stop()], src=0, group=self.plan_group)
-        if self.context is not None:
-            for proc in self.context.processes:
-                proc.join(_JOIN_TIMEOUT_S if self.failed is None else 0)  # a failed group sent no Stop
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join()
+        for proc in self.procs:
+            if not proc.join(_JOIN_TIMEOUT_S if self.failed is None else 0):  # a failed group sent no Stop
+                proc.kill()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
 
@@ -376,25 +309,17 @@ def make_runner(model: LlamaForCausalLM, backend: AttentionBackend, cache: Cache
 # ---- ranks 1..N-1 --------------------------------------------------------------------------------
 
 
-def _spawned_main(index: int, init_method: str, config: EngineConfig) -> None:
-    # Ctrl-C reaches the whole process group; rank 0 decides when the ranks stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads_per_rank(config))
-    rank, size = index + 1, config.tensor_parallel_size
-    _serve(rank, size, _init_groups(rank, size, init_method, _device(config, rank)))
-
-
-def serve_launched_rank(config: EngineConfig) -> None:
-    """Serve rank 0's steps as the rank torchrun started this process as (not 0); returns when rank 0 stops."""
+def serve_launched_rank(config: EngineConfig | None = None) -> None:
+    """Serve rank 0's steps as the rank (not 0) this process was started as, by rank 0 or a launcher;
+    returns when rank 0 stops. ``config``, where the caller has one, is checked against the launcher's size;
+    the engine's own comes from rank 0."""
     rank = launched_rank()
     if rank is None or rank == 0:
         raise ValueError("serve_launched_rank runs on a launched rank other than 0")
-    if int(os.environ["WORLD_SIZE"]) != config.tensor_parallel_size:
+    if config is not None and int(os.environ["WORLD_SIZE"]) != config.tensor_parallel_size:
         raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} differs from the launcher's "
                          f"WORLD_SIZE {os.environ['WORLD_SIZE']}")
-    torch.set_num_threads(threads_per_rank(config))
-    group = _init_groups(rank, config.tensor_parallel_size, "env://", _device(config, rank))
-    _serve(rank, config.tensor_parallel_size, group)
+    _serve(*join_group())
 
 
 def _receive(group: dist.ProcessGroup) -> Message:
@@ -409,6 +334,7 @@ def _serve(rank: int, size: int, group: dist.ProcessGroup) -> None:
     try:
         setup = _receive(group)
         assert isinstance(setup, Setup), setup
+        torch.set_num_threads(threads_per_rank(setup.config))
         try:
             runner = _load_rank(rank, size, setup)
             error = None
@@ -428,7 +354,7 @@ def _serve(rank: int, size: int, group: dist.ProcessGroup) -> None:
 
 def _load_rank(rank: int, size: int, setup: Setup) -> ModelRunner:
     config = setup.config
-    device = _device(config, rank)
+    device = rank_device(config.device, rank)
     backend = get_backend(config.attention_backend, device)
     loaded = load_model(config.model, setup.dtype, device, backend, config.linear_backend,
                         tp=TensorParallel(rank, size), quantization=config.quantization)
@@ -464,4 +390,4 @@ def _loop(runner: ModelRunner, rank: int, group: dist.ProcessGroup) -> None:
 
 
 __all__ = ["COLLECTIVE_TIMEOUT_S", "DriverRunner", "RankDiedError", "RankTables", "StepPlan", "launched_rank",
-           "make_runner", "serve_launched_rank", "threads_per_rank"]
+           "make_runner", "rank_zero", "serve_launched_rank", "threads_per_rank"]

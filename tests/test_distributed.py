@@ -1,7 +1,8 @@
-"""The tensor-parallel engine over real gloo ranks (spawned processes): greedy output identical to one process
-in float32 (batched, prefix caching, swap and recompute preemption; TP=2 on the tiny model, TP=3 on
-SmolLM2-135M), the same block tables on every rank after every step and none left at idle, the error for
-sizes that do not split the heads, and a dead rank taking the engine down with an error instead of a hang."""
+"""The tensor-parallel engine over real gloo ranks (``python -m engine.tp_rank`` processes): greedy output
+identical to one process in float32 (batched, prefix caching, swap and recompute preemption; TP=2 on the tiny
+model, TP=3 on SmolLM2-135M), from a script file, from stdin and under torchrun; the same block tables on every
+rank after every step and none left at idle; the error for sizes that do not split the heads; a rank that
+dies, on the way up or later, taking the engine down at once with its error instead of a hang."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import tp_group
 from engine.client import EngineDeadError
 from engine.config import EngineConfig
 from engine.distributed import DriverRunner, RankDiedError
@@ -115,8 +117,8 @@ def test_tp2_preemption_keeps_greedy_output_and_a_dead_rank_stops_the_engine(
         assert engine.stats()[f"preemptions_{mode}"] > 0
         _check_idle(engine)
         # Then rank 1 dies while the engine idles: the next step raises instead of waiting on it.
-        assert isinstance(engine.runner, DriverRunner) and engine.runner.ranks.context is not None
-        worker = engine.runner.ranks.context.processes[0]
+        assert isinstance(engine.runner, DriverRunner) and engine.runner.ranks.procs
+        worker = engine.runner.ranks.procs[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(10)
         engine.add_request("after", GREEDY, prompt=PROMPTS[0])
@@ -150,6 +152,51 @@ def test_sizes_that_do_not_split_the_heads_are_refused_before_any_rank_starts(ti
         _engine(None, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_a_rank_that_dies_on_the_way_up_fails_the_start_at_once_with_its_own_error(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a rank prints before it dies (here: a rank that cannot even start) is the caller's error, at once,
+    not a rendezvous timeout."""
+    monkeypatch.setattr(tp_group, "rank_command",
+                        lambda: [sys.executable, "-c", "raise RuntimeError('rank cannot start here')"])
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match=r"(?s)rank 1 exited with code 1.*RuntimeError: rank cannot start here"):
+        _engine(tiny_dir, tensor_parallel_size=2)
+    assert time.monotonic() - started < 20
+
+
+def test_an_engine_on_a_launched_rank_other_than_0_refuses_instead_of_becoming_a_worker(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 .*-m engine\.tp_rank"):
+        _engine(tiny_dir, tensor_parallel_size=2)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="differs from the launcher's WORLD_SIZE 2"):
+        _engine(tiny_dir, tensor_parallel_size=4)
+
+
+STDIN_SCRIPT = """
+from engine.llm import LLM
+from engine.request import SamplingParams
+
+llm = LLM(model={model!r}, dtype="float32", num_kv_blocks=256, block_size=4, tensor_parallel_size=2)
+out = llm.generate({prompts!r}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+print("tokens", [o.outputs[0].token_ids for o in out], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_piped_on_stdin_starts_its_ranks(tiny_dir: Path, reference: list[list[int]],
+                                                  tmp_path: Path) -> None:
+    """No script file, no main guard, another working directory: the ranks start all the same (a rank never
+    imports the caller's ``__main__``), and TP=2 gives TP=1's greedy tokens."""
+    script = STDIN_SCRIPT.format(model=str(tiny_dir), prompts=PROMPTS[:2])
+    proc = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("tokens")] == [f"tokens {reference[:2]}"]
 
 
 def _children(pid: int) -> list[int]:
@@ -212,8 +259,8 @@ print("tokens", os.environ["RANK"], [o.outputs[0].token_ids for o in out], flush
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_the_same_code_runs_under_torchrun(tiny_dir: Path, reference: list[list[int]], tmp_path: Path) -> None:
-    """torchrun starts both ranks (env:// rendezvous): rank 0 generates, rank 1 serves its shard inside the
-    LLM constructor and exits when rank 0's engine is gone."""
+    """torchrun starts both ranks (env:// rendezvous) through the rank entry module: rank 0 runs the script and
+    generates, rank 1 serves its shard without ever running the script, and exits when rank 0's engine is gone."""
     script = tmp_path / "generate.py"
     script.write_text(TORCHRUN_SCRIPT)
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -221,8 +268,9 @@ def test_the_same_code_runs_under_torchrun(tiny_dir: Path, reference: list[list[
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), str(script),
-                           str(tiny_dir), *PROMPTS[:2]], env=env, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), "-m", "engine.tp_rank",
+                           str(script), str(tiny_dir), *PROMPTS[:2]], env=env, capture_output=True, text=True,
+                          timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("tokens")]
-    assert lines == [f"tokens 0 {reference[:2]}"]  # rank 1 never returned from LLM(...)
+    assert lines == [f"tokens 0 {reference[:2]}"]  # rank 1 never ran the script
