@@ -1,7 +1,8 @@
 """The step loop: schedule -> run -> sample -> update -> outputs.
 
-``LLMEngine`` is synchronous and single-threaded; ``engine.llm.LLM`` drives it for offline use
-and ``engine.async_engine.AsyncEngine`` drives it from a worker thread for the gateway.
+``LLMEngine`` is synchronous and single-threaded; ``engine.llm.LLM`` drives it for offline use and
+``engine.core.EngineCore`` runs it behind every transport the gateway uses (a thread, a child process, a Redis
+worker).
 """
 
 from __future__ import annotations
@@ -22,34 +23,17 @@ from engine.distributed import RankDiedError, make_runner, rank_zero, threads_pe
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
 from engine.plan import ScheduledSeq, SchedulerOutput
+from engine.protocol import EngineStats, KVSnapshot, RequestDelta
 from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
 from engine.runner import ModelRunner, kv_bytes_per_block, kv_pool
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
-from engine.scheduler import PreemptionCosts, QueueFullError, Scheduler
+from engine.scheduler import PreemptionCosts, Scheduler
 from engine.threads import ThreadGovernor
 from kernels import get_backend
 
 log = logging.getLogger("chatsvc.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RequestDelta:
-    """What one step added to one sample of a request (the unit of streaming)."""
-
-    request_id: str
-    index: int
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    request_finished: bool = False
-    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -538,19 +522,20 @@ class LLMEngine:
     def unpin_prefix(self, key: str) -> None:
         self.block_manager.unpin(key)
 
-    def stats(self) -> dict[str, Any]:
-        """Counters only: cheap enough for the async engine to publish after every step."""
+    def stats(self) -> EngineStats:
+        """Counters only: cheap enough to publish after every step."""
         costs = self.scheduler.costs
-        threads = {} if self.threads is None else {"step_threads": torch.get_num_threads(),
-                                                     "step_thread_switches": self.threads.switches}
-        return {**self.scheduler.stats(), "swap_seconds_per_block": costs.swap_seconds_per_block,
-                "prefill_seconds_per_token": costs.prefill_seconds_per_token, **threads}
+        threads = None if self.threads is None else self.threads.switches
+        return dataclasses.replace(
+            self.scheduler.stats(), swap_seconds_per_block=costs.swap_seconds_per_block,
+            prefill_seconds_per_token=costs.prefill_seconds_per_token,
+            step_threads=None if threads is None else torch.get_num_threads(), step_thread_switches=threads)
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(device slots holding a token, slots allocated); walks every table, so benchmarks only."""
         return self.block_manager.slot_usage()
 
-    def kv_snapshot(self) -> dict[str, Any]:
+    def kv_snapshot(self) -> KVSnapshot:
         pool = self.block_manager.device
         pinned = {b for blocks in self.block_manager.pinned_blocks().values() for b in blocks}
         state = []
@@ -572,15 +557,11 @@ class LLMEngine:
                 for b in self.block_manager.block_table(seq):
                     blocks[b] = None
             requests[group.request_id] = list(blocks)
-        return {
-            "block_size": self.block_manager.block_size,
-            "num_blocks": pool.num_blocks,
-            "state": state,
-            "refcounts": [b.ref_count for b in pool.blocks],
-            "cpu_used": self.block_manager.cpu.num_blocks - self.block_manager.cpu.num_free,
-            "requests": requests,
-            "pins": self.block_manager.pinned_blocks(),
-        }
+        return KVSnapshot(
+            block_size=self.block_manager.block_size, num_blocks=pool.num_blocks, state=state,
+            refcounts=[b.ref_count for b in pool.blocks],
+            cpu_used=self.block_manager.cpu.num_blocks - self.block_manager.cpu.num_free,
+            requests=requests, pins=self.block_manager.pinned_blocks())
 
     # -- output helpers ---------------------------------------------------------------------------
     @staticmethod
@@ -605,4 +586,4 @@ class LLMEngine:
         )
 
 
-__all__ = ["LLMEngine", "RequestDelta", "RequestOutput", "CompletionOutput", "QueueFullError", "SchedulerOutput"]
+__all__ = ["LLMEngine", "RequestOutput", "CompletionOutput"]

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 from torch.distributed.rendezvous import rendezvous
 
-from engine.client import EngineDeadError
+from engine.protocol import EngineDeadError
 
 COLLECTIVE_TIMEOUT_S = 120.0
 PLAN_TIMEOUT = datetime.timedelta(days=3650)

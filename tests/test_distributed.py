@@ -19,12 +19,12 @@ from pathlib import Path
 import pytest
 
 from engine import tp_group
-from engine.client import EngineDeadError
 from engine.config import EngineConfig
 from engine.distributed import DriverRunner, RankDiedError
 from engine.engine import LLMEngine
 from engine.engine_process import ProcessEngine
 from engine.model.testing import make_tiny_model_dir
+from engine.protocol import EngineDeadError
 from engine.request import SamplingParams
 
 PROMPTS = [
@@ -71,8 +71,8 @@ def _check_idle(engine: LLMEngine) -> None:
     assert isinstance(engine.runner, DriverRunner)
     assert all(view.tables == {} for view in engine.runner.rank_tables())
     stats = engine.stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stats["cpu_blocks_free"] == stats["cpu_blocks_total"]
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.cpu_blocks_free == stats.cpu_blocks_total
 
 
 def _generate(engine: LLMEngine, prompts: list[str], params: SamplingParams, tag: str,
@@ -101,9 +101,9 @@ def test_tp2_matches_one_process_batched_and_from_the_prefix_cache(tp2: LLMEngin
                                                                    reference: list[list[int]]) -> None:
     assert tp2.runner.kv_cache.shape[-2] == 1  # one of the tiny model's two KV heads per rank
     assert _generate(tp2, PROMPTS, GREEDY, "first", check_tables=True) == reference
-    hits = tp2.stats()["prefix_cache_hit_tokens"]
+    hits = tp2.stats().prefix_cache_hit_tokens
     assert _generate(tp2, PROMPTS, GREEDY, "second", check_tables=True) == reference
-    assert tp2.stats()["prefix_cache_hit_tokens"] > hits
+    assert tp2.stats().prefix_cache_hit_tokens > hits
     _check_idle(tp2)
 
 
@@ -114,7 +114,7 @@ def test_tp2_preemption_keeps_greedy_output_and_a_dead_rank_stops_the_engine(
                      max_num_batched_tokens=64)
     try:
         assert _generate(engine, PROMPTS, GREEDY, mode, check_tables=True) == reference
-        assert engine.stats()[f"preemptions_{mode}"] > 0
+        assert getattr(engine.stats(), f"preemptions_{mode}") > 0
         _check_idle(engine)
         # Then rank 1 dies while the engine idles: the next step raises instead of waiting on it.
         assert isinstance(engine.runner, DriverRunner) and engine.runner.ranks.procs
