@@ -14,6 +14,13 @@ cd "$(dirname "$0")/.."
 
 # Where torch comes from (set it empty where pip's own configuration already offers the wanted build).
 TORCH_INDEX="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
+# An index pip cannot reach costs every package its retries (minutes on a machine with only a local mirror):
+# ask once, briefly, and leave it out when it does not answer.
+if [ -n "$TORCH_INDEX" ] && ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+        "$TORCH_INDEX/torch/" >/dev/null 2>&1; then
+    echo "setup: $TORCH_INDEX does not answer; torch comes from pip's configured indexes" >&2
+    TORCH_INDEX=""
+fi
 fail() { echo "setup: $*" >&2; exit 1; }
 
 have_python_header() {  # the headers of the interpreter the venv runs (python3-dev on Debian)
