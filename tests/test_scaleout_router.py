@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from chatsvc.router import Router
+from engine.protocol import EngineStats
 from engine.streams import Beat
 
 
@@ -12,7 +13,7 @@ def beat(worker: str, running: int = 0, waiting: int = 0, free: int = 100, pins:
          draining: bool = False) -> Beat:
     return Beat(worker=worker, pid=1, host="h", model_name="m", max_model_len=512, block_size=16, time=0.0,
                 draining=draining, pins=list(pins),
-                stats={"requests_running": running, "requests_waiting": waiting, "kv_blocks_free": free})
+                stats=EngineStats(requests_running=running, requests_waiting=waiting, kv_blocks_free=free))
 
 
 def test_session_goes_back_to_its_worker_while_it_is_within_the_bound() -> None:
