@@ -6,6 +6,9 @@ be set before any kernel module is imported; conftest runs before test modules a
 Every test timeout (the ini default and each ``pytest.mark.timeout``) is in seconds of the reference
 machine and is scaled to this one when the test starts (tests/timing.py), so a busy or slower machine
 does not fail tests that are merely slow there.
+
+Tests marked ``long`` (multi-process chaos, soak) are skipped unless ``--run-long`` is given: README's test
+command stays short, and .ci/run runs them after it.
 """
 
 from __future__ import annotations
@@ -31,3 +34,19 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_timeout_set_timer(item: pytest.Item, settings: pytest_timeout.Settings) -> bool:
     scaled = settings._replace(timeout=settings.timeout * slowdown())
     return bool(pytest_timeout.pytest_timeout_set_timer(item, scaled))
+
+
+LONG_REASON = "long (multi-process chaos or soak): .ci/run runs it; pytest --run-long here"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-long", action="store_true",
+                     help="also run the tests marked long, which the default run skips (.ci/run runs them)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-long"):
+        return
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(pytest.mark.skip(reason=LONG_REASON))
