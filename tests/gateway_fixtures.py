@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from timing import scaled
 
 
 def free_port() -> int:
@@ -32,7 +33,7 @@ class RedisProc:
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(data_dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while time.monotonic() < deadline:
             try:
                 if redis.Redis(port=port, socket_connect_timeout=0.2).ping():
@@ -83,7 +84,7 @@ class LiveServer:
 
     def __enter__(self) -> LiveServer:
         self.thread.start()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + scaled(120)
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("server did not start")
@@ -110,10 +111,10 @@ def wait_personas_pinned(app: object, timeout_s: float = 60.0) -> None:
         return bool(len(gw.personas.pinned) >= len(DEFAULT_PERSONAS)
                     and stats.requests_running + stats.requests_waiting == 0)
 
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not done():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the default personas were not pinned in {timeout_s:.0f} s "
+            raise RuntimeError(f"the default personas were not pinned in {scaled(timeout_s):.0f} s "
                                f"(pinned: {sorted(gw.personas.pinned)})")
         time.sleep(0.02)
 

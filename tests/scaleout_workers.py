@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import redis
+from timing import scaled
 
 from engine.streams import Beat, Keys
 
@@ -39,7 +40,7 @@ class WorkerProc:
     def wait_registered(self, timeout_s: float = 120) -> WorkerProc:
         client = redis.Redis.from_url(self.url, decode_responses=True)
         prefix = f"{self.name}-{self.proc.pid}-"
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(self.output())

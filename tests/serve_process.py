@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import redis
+from timing import scaled
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,7 +35,7 @@ class PersistentRedis:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
              "--appendfsync", "always", "--dir", str(self.data_dir)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while time.monotonic() < deadline:
             try:
                 if self.client().ping():
@@ -62,15 +64,19 @@ class Serve:
                      "--log-level", "warning", *extra]
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.log = b""
+        # A file, not a pipe: a pipe nobody reads would stall a server that logs more than its buffer.
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - read on failure, closed with the object
 
     def start(self, timeout_s: float = 180) -> Serve:
+        """Start and poll /ready until it answers 200, within ``timeout_s`` seconds of the reference machine."""
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
+        self.log.seek(0)
+        self.log.truncate()
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + scaled(timeout_s)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(self.proc.stdout.read().decode() if self.proc.stdout else "exited")
+                raise AssertionError(self.output())
             try:
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     return self
@@ -78,7 +84,11 @@ class Serve:
                 pass
             time.sleep(0.2)
         self.kill9()
-        raise AssertionError("chatsvc serve did not become ready")
+        raise AssertionError("chatsvc serve did not become ready:\n" + self.output())
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-8000:]
 
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 import torch
+from model_fixtures import hf_reference  # noqa: F401
 
 from engine.beam import EarlyStopping
 from engine.llm import LLM
-from engine.model_files import default_model_path
 from engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -34,13 +34,8 @@ SETTINGS: list[tuple[int, float, EarlyStopping]] = [(2, 1.0, False), (4, 0.5, Tr
 
 
 @pytest.fixture(scope="module")
-def reference() -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-    return model
+def reference(hf_reference: Any) -> Any:  # noqa: F811
+    return hf_reference
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from timing import scaled
 
 from engine import tp_group
 from engine.config import EngineConfig
@@ -132,6 +133,7 @@ def test_tp2_preemption_keeps_greedy_output_and_a_dead_rank_stops_the_engine(
         _close(engine)
 
 
+@pytest.mark.long
 def test_tp3_smollm2_matches_one_process() -> None:
     prompts = ["The capital of France is", "Write a haiku about the sea."]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -187,6 +189,7 @@ print("tokens", [o.outputs[0].token_ids for o in out], flush=True)
 """
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_a_script_piped_on_stdin_starts_its_ranks(tiny_dir: Path, reference: list[list[int]],
                                                   tmp_path: Path) -> None:
@@ -194,7 +197,7 @@ def test_a_script_piped_on_stdin_starts_its_ranks(tiny_dir: Path, reference: lis
     imports the caller's ``__main__``), and TP=2 gives TP=1's greedy tokens."""
     script = STDIN_SCRIPT.format(model=str(tiny_dir), prompts=PROMPTS[:2])
     proc = subprocess.run([sys.executable, "-"], input=script, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=110)
+                          timeout=scaled(110))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert [line for line in proc.stdout.splitlines() if line.startswith("tokens")] == [f"tokens {reference[:2]}"]
 
@@ -218,6 +221,7 @@ def _gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
+@pytest.mark.long
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 async def test_engine_process_with_ranks_serves_and_goes_down_whole_when_a_rank_dies(
@@ -236,8 +240,8 @@ async def test_engine_process_with_ranks_serves_and_goes_down_whole_when_a_rank_
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 pass
-        assert _gone(engine.pid, 20)  # the engine process exited on RankDiedError
-        deadline = time.monotonic() + 20
+        assert _gone(engine.pid, scaled(20))  # the engine process exited on RankDiedError
+        deadline = time.monotonic() + scaled(20)
         while engine.state != "failed" and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert engine.state == "failed" and not engine.is_running
@@ -256,6 +260,7 @@ print("tokens", os.environ["RANK"], [o.outputs[0].token_ids for o in out], flush
 """
 
 
+@pytest.mark.long
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_the_same_code_runs_under_torchrun(tiny_dir: Path, reference: list[list[int]], tmp_path: Path) -> None:
@@ -270,7 +275,7 @@ def test_the_same_code_runs_under_torchrun(tiny_dir: Path, reference: list[list[
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(port), "-m", "engine.tp_rank",
                            str(script), str(tiny_dir), *PROMPTS[:2]], env=env, capture_output=True, text=True,
-                          timeout=280)
+                          timeout=scaled(280))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("tokens")]
     assert lines == [f"tokens 0 {reference[:2]}"]  # rank 1 never ran the script

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
+from timing import scaled
 
 from engine.engine_process import ProcessEngine
 from engine.process_env import ENGINE_SPINCOUNT, find_tcmalloc, omp_wait_policy
@@ -182,6 +183,7 @@ async def test_stop_ends_open_streams_and_leaves_no_process(engine: ProcessEngin
         engine.generate("s-1", SamplingParams(), prompt="hi")
 
 
+@pytest.mark.long
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.asyncio(loop_scope="module")
@@ -223,6 +225,7 @@ def test_engine_build_errors_surface_from_the_constructor() -> None:
         ProcessEngine.from_args("/nonexistent/model.gguf")
 
 
+@pytest.mark.long
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_engine_process_exits_when_its_parent_dies(tmp_path: Path) -> None:
@@ -234,7 +237,7 @@ def test_engine_process_exits_when_its_parent_dies(tmp_path: Path) -> None:
         f"    eng = ProcessEngine.from_args({default_model_path()!r}, attention_backend='torch', num_kv_blocks=16)\n"
         "    print(eng.pid, flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=240,
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=scaled(240),
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     child = int(proc.stdout.split()[0])

@@ -133,6 +133,7 @@ async def wait_for(cond: Any, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.long
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 async def test_process_engine_isolates_a_failing_step_restarts_replays_pins_and_gives_up(tiny_dir: Path) -> None:
@@ -207,6 +208,7 @@ def ready(live: LiveServer) -> httpx.Response:
     return httpx.get(live.url + "/ready", timeout=5)
 
 
+@pytest.mark.long
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_gateway_survives_a_killed_and_a_stuck_engine_process(live_gateway: tuple[LiveServer, ProcessEngine],

@@ -18,7 +18,7 @@ from serve_process import PersistentRedis, Serve, assert_alternating, sse_json
 
 from chatsvc.store import session_key
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300),
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(300),
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 MAX_TOKENS = 3500  # long enough that the reply is still running when Redis goes away (1500 once ended first)
 

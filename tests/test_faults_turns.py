@@ -37,6 +37,7 @@ def model_for(kind: str, tmp: Path) -> tuple[str, list[str], int]:
     return default_model_path(), ["--max-model-len", "1024", "--num-kv-blocks", "96"], 700
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["tiny", "real"])
 def test_kill_9_mid_reply_then_restart_recovers_the_turn(kind: str, tmp_path: Path) -> None:

@@ -70,6 +70,7 @@ def stop(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     assert proc.wait(30) == 0
 
 
+@pytest.mark.long
 def test_restart_keeps_sessions_and_leaves_no_redis(tmp_path: Path) -> None:
     from engine.model.testing import make_tiny_model_dir
 

@@ -7,13 +7,14 @@ top-2 logits (< 1e-3), which float32 summation order can legitimately flip.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from model_fixtures import hf_greedy, hf_reference  # noqa: F401
 
 from engine.llm import LLM
-from engine.model_files import default_model_path
 from engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
@@ -43,13 +44,8 @@ def _conversations() -> list[list[dict[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-    return model
+def reference(hf_reference: Any) -> Any:  # noqa: F811
+    return hf_reference
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +61,9 @@ def prompts(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(reference: Any, prompts: list[list[int]]) -> list[list[int]]:
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            gen = reference.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
+def expected(hf_greedy: Callable[[list[int], int], list[int]],  # noqa: F811
+             prompts: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(ids, MAX_TOKENS) for ids in prompts]
 
 
 def _assert_parity(reference: Any, prompt: list[int], want: list[int], got: list[int]) -> None:

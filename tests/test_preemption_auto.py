@@ -8,28 +8,24 @@ several milliseconds to prefill its 16 tokens again, so with CPU room auto swaps
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
+from model_fixtures import hf_greedy, hf_reference  # noqa: F401
 from test_llm import MAX_TOKENS, _assert_parity, _conversations
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.model_files import default_model_path, load_tokenizer
+from engine.model_files import load_tokenizer
 from engine.request import SamplingParams
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def reference() -> Any:
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-    return model
+def reference(hf_reference: Any) -> Any:  # noqa: F811
+    return hf_reference
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +37,9 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(reference: Any, prompts: list[list[int]]) -> list[list[int]]:
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            gen = reference.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
+def expected(hf_greedy: Callable[[list[int], int], list[int]],  # noqa: F811
+             prompts: list[list[int]]) -> list[list[int]]:
+    return [hf_greedy(ids, MAX_TOKENS) for ids in prompts]
 
 
 def _run_small_pool(prompts: list[list[int]], **settings: Any) -> tuple[list[list[int]], dict[str, Any]]:

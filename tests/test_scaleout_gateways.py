@@ -186,6 +186,7 @@ def test_a_clean_websocket_close_by_the_last_reader_elsewhere_aborts_at_once(
     wait_for(lambda: idle_and_free(worker))
 
 
+@pytest.mark.long
 def test_a_gateway_killed_mid_reply_hands_the_turn_to_the_other(stack: tuple[Serve, Serve, WorkerProc]) -> None:
     a, b, worker = stack
     reference_sid = session(b.url)

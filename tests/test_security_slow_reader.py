@@ -223,6 +223,7 @@ def idle(eng: Any) -> bool:
     return bool(s.requests_running == 0 and s.requests_waiting == 0)
 
 
+@pytest.mark.long
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_slow_reader_gets_the_whole_reply_from_a_bounded_queue(live: tuple[LiveServer, Any]) -> None:
