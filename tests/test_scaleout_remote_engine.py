@@ -191,7 +191,6 @@ async def test_abort_from_a_second_gateway_frees_the_blocks_on_the_worker(
     await wait_for(lambda: all(idle_and_free(w) for w in workers))
 
 
-@pytest.mark.long
 async def test_kill_9_mid_reply_fails_over_with_the_uninterrupted_greedy_reply(
         gateway: RemoteEngine, redis_proc, workers: list[WorkerProc]) -> None:  # noqa: F811
     prompt = [11 + (i * 7) % 250 for i in range(29)]
@@ -213,7 +212,6 @@ async def test_kill_9_mid_reply_fails_over_with_the_uninterrupted_greedy_reply(
     dead.proc.wait(10)
 
 
-@pytest.mark.long
 async def test_kill_9_mid_reply_continues_a_seeded_sampled_stream(
         gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
     extra = WorkerProc(redis_proc.url, str(tiny), "wc", *TINY_FLAGS, ttl_s=TTL_S)
