@@ -7,9 +7,9 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -22,7 +22,9 @@ from chatsvc.generation import Generation
 from chatsvc.offload import Raw, TokenTexts, dumps_in_pieces
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
-from engine.protocol import StreamOverflowError
+from engine.protocol import RequestDelta, StreamOverflowError
+
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
 
 async def list_models(request: Request) -> JSONResponse:
@@ -31,13 +33,6 @@ async def list_models(request: Request) -> JSONResponse:
     data = [{"id": gw.engine.model_name, "object": "model", "created": 0, "owned_by": "chatsvc",
              "max_model_len": gw.engine.max_model_len}]
     return JSONResponse({"object": "list", "data": data})
-
-
-def _check_n(gw: Gateway, n: int, best_of: int | None = None) -> None:
-    if n > gw.settings.max_n:
-        raise APIError(400, f"n must be <= {gw.settings.max_n}", code="invalid_value", param="n")
-    if best_of is not None and best_of > gw.settings.max_n:  # beams cost the engine what samples do
-        raise APIError(400, f"best_of must be <= {gw.settings.max_n}", code="invalid_value", param="best_of")
 
 
 class _Tokens:
@@ -75,17 +70,6 @@ class _Tokens:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def _start(gw: Gateway, gen: Generation, owner: str) -> None:
-    """Admit the generation under the caller's concurrency and waiting-queue quotas (429 past them)."""
-    gw.quotas.start_stream(owner, gw.session_turns(owner))
-    try:
-        with gw.quotas.admitting(owner):
-            await gen.start()
-    except BaseException:
-        gw.quotas.end_stream(owner)
-        raise
-
-
 class _Lease:
     """A streamed generation's place in its owner's quota, given back exactly once: by the stream's end or,
     for a client gone before it began (or a send that timed out, which skips the background), the other."""
@@ -97,17 +81,6 @@ class _Lease:
         if self.held:
             self.held = False
             self.gw.quotas.end_stream(self.owner)
-
-
-async def _holding(lease: _Lease, events: AsyncIterator[dict[str, str] | bytes]
-                   ) -> AsyncIterator[dict[str, str] | bytes]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        lease.release()
-        if hasattr(events, "aclose"):
-            await events.aclose()
 
 
 async def _finish(gen: Generation, lease: _Lease) -> None:
@@ -126,51 +99,6 @@ def _check_logprob_volume(gw: Gateway, n: int, max_tokens: int, top: int | None,
         raise APIError(400, f"n x max_tokens x (1 + top logprobs) = {entries} exceeds "
                        f"{gw.settings.max_logprob_entries} for a non-streamed request; stream it or ask for less",
                        code="invalid_value", param="max_tokens")
-
-
-async def _json_response(gw: Gateway, build: Any) -> Response:
-    """``build()``'s result as JSON, built and encoded on a worker thread in small pieces."""
-    body = await gw.offload.run(lambda: dumps_in_pieces(build()))
-    return Response(body, media_type="application/json")
-
-
-async def chat_completions(request: Request) -> Response:
-    gw = gateway(request)
-    owner = gw.auth.from_http(request.headers)
-    req = parse(ChatCompletionRequest, await read_json(request, gw.settings.max_body_bytes))
-    model = gw.check_model(req.model)
-    _check_n(gw, req.n, req.best_of)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
-    prompt_ids = await gw.offload.chat_ids(messages)
-    max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len, None)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    _check_logprob_volume(gw, req.n, max_tokens, logprobs, req.stream)
-    rid = "chatcmpl-" + secrets.token_hex(12)
-    gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids,
-                     gw.settings.retry_after_s)
-    await _start(gw, gen, owner)
-    created = int(time.time())
-    if req.stream:
-        # The background close also aborts a request whose client left before the stream began.
-        lease = _Lease(gw, owner)
-        return EventStream(_holding(lease, _ending_with_error(_chat_stream(gw, gen, req, rid, created, model))),
-                           ping=10, send_timeout=gw.settings.sse_send_timeout_s,
-                           background=BackgroundTask(_finish, gen, lease))
-    try:
-        got = await _collect(request, gen)
-    finally:
-        gw.quotas.end_stream(owner)
-
-    def build() -> dict[str, Any]:
-        toks = _Tokens(gw.engine.tokenizer)
-        choices = [{"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
-                    "logprobs": {"content": toks.chat_json(got.tokens[i], got.lps[i], req.top_logprobs or 0)}
-                    if req.logprobs else None,
-                    "finish_reason": got.reasons.get(i)} for i in sorted(got.texts)]
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(got.last, len(prompt_ids))}
-
-    return await _json_response(gw, build)
 
 
 @dataclass
@@ -218,54 +146,93 @@ def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
     return usage(prompt, completion, cached)
 
 
-def _chunk(rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool,
-           usage_: dict[str, Any] | None = None) -> dict[str, str]:
-    """A streaming chunk built as a dict: one with logprobs, or the final usage chunk (the plain per-token
-    chunks are rendered by wire.ChunkTemplate)."""
-    chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
-    if include_usage:
-        chunk["usage"] = usage_
-    return {"data": json.dumps(chunk)}
+async def _parse_request(request: Request, schema: type[R]) -> tuple[Gateway, str, R, str]:
+    """(gateway, caller, request, model name), all checked that can be before the prompt is tokenized."""
+    gw = gateway(request)
+    owner = gw.auth.from_http(request.headers)
+    req = parse(schema, await read_json(request, gw.settings.max_body_bytes))
+    model = gw.check_model(req.model)
+    if req.n > gw.settings.max_n:
+        raise APIError(400, f"n must be <= {gw.settings.max_n}", code="invalid_value", param="n")
+    if req.best_of is not None and req.best_of > gw.settings.max_n:  # beams cost the engine what samples do
+        raise APIError(400, f"best_of must be <= {gw.settings.max_n}", code="invalid_value", param="best_of")
+    return gw, owner, req, model
 
 
-async def _chat_stream(gw: Gateway, gen: Generation, req: ChatCompletionRequest, rid: str, created: int,
-                       model: str) -> AsyncIterator[dict[str, str] | bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    toks = _Tokens(gw.engine.tokenizer)
-    template = ChunkTemplate(rid, "chat.completion.chunk", created, model, include_usage)
-    started: set[int] = set()
-    last: dict[int, Any] = {}
-    gw.metrics.open_sse.inc()
+# A streamed delta as its chunk's JSON: (the chunk template, delta, first of its choice?, finish reason).
+ChunkOf = Callable[[ChunkTemplate, RequestDelta, bool, str | None], str]
+
+
+async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompletionRequest | CompletionRequest,
+                    model: str, prompt_ids: list[int], max_tokens: int, logprobs: int | None, chunk: ChunkOf,
+                    choice: Callable[[int, _Collected], dict[str, Any]], echo: str = "") -> Response:
+    """Admit the generation under the caller's concurrency and waiting-queue quotas (429 past them), then
+    stream its chunks or answer with the whole reply."""
+    _check_logprob_volume(gw, req.n, max_tokens, logprobs, req.stream)
+    chat = isinstance(req, ChatCompletionRequest)
+    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    obj = "chat.completion" if chat else "text_completion"
+    gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids,
+                     gw.settings.retry_after_s)
+    gw.quotas.start_stream(owner, gw.session_turns(owner))
     try:
-        async for d in gen.deltas():
-            last[d.index] = d
-            first = d.index not in started
-            if first:
-                started.add(d.index)
-            reason = d.finish_reason if d.finished else None
-            if not req.logprobs:
-                yield sse_event(template.chat(d.index, d.text, first, reason))
-                continue
-            delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-            choice: dict[str, Any] = {"index": d.index, "delta": delta,
-                                      "logprobs": {"content": toks.chat(d.token_ids, d.logprobs,
-                                                                        req.top_logprobs or 0)},
-                                      "finish_reason": reason}
-            yield _chunk(rid, "chat.completion.chunk", created, model, [choice], include_usage)
-        if include_usage:
-            yield _chunk(rid, "chat.completion.chunk", created, model, [], True, _usage(last, 0))
-        yield {"data": "[DONE]"}
+        with gw.quotas.admitting(owner):
+            await gen.start()
+    except BaseException:
+        gw.quotas.end_stream(owner)
+        raise
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        template = ChunkTemplate(rid, obj + ".chunk" if chat else obj, created, model, include_usage)
+        # The background close also aborts a request whose client left before the stream began.
+        lease = _Lease(gw, owner)
+        return EventStream(_stream(gw, gen, lease, template, chunk), ping=10,
+                           send_timeout=gw.settings.sse_send_timeout_s,
+                           background=BackgroundTask(_finish, gen, lease))
+    try:
+        got = await _collect(request, gen, echo)
     finally:
-        gw.metrics.open_sse.dec()
-        await gen.close()
+        gw.quotas.end_stream(owner)
+
+    def build() -> dict[str, Any]:
+        return {"id": rid, "object": obj, "created": created, "model": model,
+                "choices": [choice(i, got) for i in sorted(got.texts)],
+                "usage": _usage(got.last, len(prompt_ids))}
+
+    # Built and encoded on a worker thread, in small pieces.
+    return Response(await gw.offload.run(lambda: dumps_in_pieces(build())), media_type="application/json")
+
+
+async def chat_completions(request: Request) -> Response:
+    gw, owner, req, model = await _parse_request(request, ChatCompletionRequest)
+    prompt_ids = await gw.offload.chat_ids([{"role": "system" if m.role == "developer" else m.role,
+                                             "content": m.text()} for m in req.messages])
+    max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len,
+                                    None)
+    top = req.top_logprobs or 0
+    toks = _Tokens(gw.engine.tokenizer)
+
+    def chunk(template: ChunkTemplate, d: RequestDelta, first: bool, reason: str | None) -> str:
+        if not req.logprobs:
+            return template.chat(d.index, d.text, first, reason)
+        delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+        return template.encode([{"index": d.index, "delta": delta,
+                                 "logprobs": {"content": toks.chat(d.token_ids, d.logprobs, top)},
+                                 "finish_reason": reason}])
+
+    def choice(i: int, got: _Collected) -> dict[str, Any]:
+        return {"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
+                "logprobs": {"content": toks.chat_json(got.tokens[i], got.lps[i], top)}
+                if req.logprobs else None,
+                "finish_reason": got.reasons.get(i)}
+
+    return await _generate(request, gw, owner, req, model, prompt_ids, max_tokens,
+                           top if req.logprobs else None, chunk, choice)
 
 
 async def completions(request: Request) -> Response:
-    gw = gateway(request)
-    owner = gw.auth.from_http(request.headers)
-    req = parse(CompletionRequest, await read_json(request, gw.settings.max_body_bytes))
-    model = gw.check_model(req.model)
-    _check_n(gw, req.n, req.best_of)
+    gw, owner, req, model = await _parse_request(request, CompletionRequest)
     tok = gw.engine.tokenizer
     if isinstance(req.prompt, str) or isinstance(req.prompt[0], str):
         prompt_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
@@ -278,87 +245,54 @@ async def completions(request: Request) -> Response:
     if not prompt_ids:
         raise APIError(400, "prompt must contain at least one token", code="invalid_value", param="prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), gw.engine.max_model_len, 16)
-    _check_logprob_volume(gw, req.n, max_tokens, req.logprobs, req.stream)
-    rid = "cmpl-" + secrets.token_hex(12)
-    gen = Generation(gw.engine, gw.metrics, rid, req.sampling_params(max_tokens, req.n, req.logprobs), prompt_ids,
-                     gw.settings.retry_after_s)
-    await _start(gw, gen, owner)
-    created = int(time.time())
     echo = prompt_text if req.echo else ""
-    if req.stream:
-        lease = _Lease(gw, owner)
-        return EventStream(_holding(lease, _ending_with_error(_completion_stream(gw, gen, req, rid, created, model,
-                                                                                 echo))),
-                           ping=10, send_timeout=gw.settings.sse_send_timeout_s,
-                           background=BackgroundTask(_finish, gen, lease))
-    try:
-        got = await _collect(request, gen, echo)
-    finally:
-        gw.quotas.end_stream(owner)
+    toks = _Tokens(tok)
+    offsets: dict[int, int] = {}  # per choice: where its next delta starts in its text
 
-    def build() -> dict[str, Any]:
-        toks = _Tokens(tok)
-        choices = [{"index": i, "text": "".join(got.texts[i]), "finish_reason": got.reasons.get(i),
-                    "logprobs": toks.completion(got.tokens[i], got.lps[i], req.logprobs or 0, len(echo), True)
-                    if req.logprobs is not None else None} for i in sorted(got.texts)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(got.last, len(prompt_ids))}
+    def chunk(template: ChunkTemplate, d: RequestDelta, first: bool, reason: str | None) -> str:
+        text = echo + d.text if first else d.text
+        if req.logprobs is None:
+            return template.completion(d.index, text, reason)
+        off = offsets.get(d.index, len(echo))
+        offsets[d.index] = off + len(d.text)
+        return template.encode([{"index": d.index, "text": text,
+                                 "logprobs": toks.completion(d.token_ids, d.logprobs, req.logprobs, off),
+                                 "finish_reason": reason}])
 
-    return await _json_response(gw, build)
+    def choice(i: int, got: _Collected) -> dict[str, Any]:
+        return {"index": i, "text": "".join(got.texts[i]), "finish_reason": got.reasons.get(i),
+                "logprobs": toks.completion(got.tokens[i], got.lps[i], req.logprobs or 0, len(echo), True)
+                if req.logprobs is not None else None}
+
+    return await _generate(request, gw, owner, req, model, prompt_ids, max_tokens, req.logprobs, chunk,
+                           choice, echo)
 
 
-async def _completion_stream(gw: Gateway, gen: Generation, req: CompletionRequest, rid: str, created: int,
-                             model: str, echo: str) -> AsyncIterator[dict[str, str] | bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    toks = _Tokens(gw.engine.tokenizer)
-    template = ChunkTemplate(rid, "text_completion", created, model, include_usage)
-    started: set[int] = set()
-    offsets: dict[int, int] = {}
-    last: dict[int, Any] = {}
+async def _stream(gw: Gateway, gen: Generation, lease: _Lease, template: ChunkTemplate,
+                  chunk: ChunkOf) -> AsyncIterator[bytes]:
+    """A chunk per delta, the usage chunk if asked for, then ``[DONE]``. A request failing after the response
+    began (its engine process died, a step failed it) ends with an OpenAI-shaped error event and ``[DONE]``
+    rather than a cut connection (as vLLM does: clients that wait for [DONE] end cleanly and see the error
+    before it)."""
+    last: dict[int, RequestDelta] = {}
     gw.metrics.open_sse.inc()
     try:
         async for d in gen.deltas():
+            first = d.index not in last
             last[d.index] = d
-            text = d.text
-            if d.index not in started:
-                started.add(d.index)
-                text = echo + text
-            reason = d.finish_reason if d.finished else None
-            if req.logprobs is None:
-                yield sse_event(template.completion(d.index, text, reason))
-                continue
-            off = offsets.get(d.index, len(echo))
-            choice: dict[str, Any] = {"index": d.index, "text": text,
-                                      "logprobs": toks.completion(d.token_ids, d.logprobs, req.logprobs, off),
-                                      "finish_reason": reason}
-            offsets[d.index] = off + len(d.text)
-            yield _chunk(rid, "text_completion", created, model, [choice], include_usage)
-        if include_usage:
-            yield _chunk(rid, "text_completion", created, model, [], True, _usage(last, 0))
-        yield {"data": "[DONE]"}
-    finally:
+            yield sse_event(chunk(template, d, first, d.finish_reason if d.finished else None))
+        if template.include_usage:
+            yield sse_event(template.encode([], _usage(last, 0)))
+    except Exception as exc:  # noqa: BLE001 - whatever it was, the client is told the stream failed
+        code = StreamOverflowError.code if isinstance(exc, StreamOverflowError) else "engine_failed"
+        message = str(exc) or type(exc).__name__
+        yield sse_event(json.dumps({"error": {"message": message, "type": "server_error", "param": None,
+                                              "code": code}}))
+    finally:  # also when the client left: the request is aborted and its quota given back now, not at GC
+        lease.release()
         gw.metrics.open_sse.dec()
         await gen.close()
-
-
-def _error_code(exc: Exception) -> str:
-    return StreamOverflowError.code if isinstance(exc, StreamOverflowError) else "engine_failed"
-
-
-async def _ending_with_error(events: AsyncIterator[dict[str, str] | bytes]) -> AsyncIterator[dict[str, str] | bytes]:
-    """``events``, except that a request failing after the response began (its engine process died, a
-    step failed it) ends with an OpenAI-shaped error event and ``[DONE]`` rather than a cut connection
-    (as vLLM does: clients that wait for [DONE] end cleanly and see the error before it)."""
-    try:
-        async for event in events:
-            yield event
-    except Exception as exc:  # noqa: BLE001 - whatever it was, the client is told the stream failed
-        yield {"data": json.dumps({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error",
-                                             "param": None, "code": _error_code(exc)}})}
-        yield {"data": "[DONE]"}
-    finally:
-        if hasattr(events, "aclose"):  # a client that left: the inner stream's cleanup runs now, not at GC
-            await events.aclose()
+    yield sse_event("[DONE]")
 
 
 routes = [

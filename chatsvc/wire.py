@@ -7,8 +7,10 @@ sse-starlette's ``ServerSentEvent(...).encode()``); tests/test_gateway_wire.py c
 
 from __future__ import annotations
 
+import json
 import re
 from json.encoder import encode_basestring_ascii
+from typing import Any
 
 from sse_starlette import EventSourceResponse
 from starlette.types import Message, Send
@@ -47,9 +49,18 @@ class ChunkTemplate:
     the parts fixed for a request (id, object, created, model, usage) are encoded once."""
 
     def __init__(self, request_id: str, obj: str, created: int, model: str, include_usage: bool) -> None:
+        self.fields: dict[str, Any] = {"id": request_id, "object": obj, "created": created, "model": model}
+        self.include_usage = include_usage
         self.head = (f'{{"id": {json_str(request_id)}, "object": {json_str(obj)}, "created": {created}, '
                      f'"model": {json_str(model)}, "choices": [{{"index": ')
         self.tail = '}], "usage": null}' if include_usage else "}]}"
+
+    def encode(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
+        """A chunk built the generic way: one with logprobs, or the final usage chunk."""
+        chunk = {**self.fields, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = usage
+        return json.dumps(chunk)
 
     @staticmethod
     def _reason(finish_reason: str | None) -> str:
