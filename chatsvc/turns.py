@@ -56,6 +56,7 @@ from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.store.keys import stream_key
+from chatsvc.store.streams import settle
 from chatsvc.wire import delta_event
 from engine.client import Adoptable, EngineClient
 from engine.protocol import RequestDelta
@@ -110,7 +111,7 @@ class ActiveTurn:
     started: float = field(default_factory=time.time)
     # Stored events in stream order, (stream id, event, its JSON): what local readers follow.
     log: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as the log grows
     closed: bool = False  # no more events will be logged
     unwritten: int = 0  # events handed to the writer and not yet stored (or failed)
     drained: asyncio.Future[None] | None = None
@@ -118,10 +119,8 @@ class ActiveTurn:
     stored: int | None = None  # end_turn's answer once the reply is stored
 
     def wake(self) -> None:
-        waiters, self.waiters = self.waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
 
 
 class TurnRegistry:
@@ -224,17 +223,16 @@ class TurnRegistry:
             raise
         return at
 
-    async def _admit(self, at: ActiveTurn, gen: Generation, admitted: asyncio.Future[None]) -> bool:
-        """Start the engine request. False: the turn ends here (cancelled before it began, or refused:
-        then it is rolled back and ``admitted`` carries the error to :meth:`start`)."""
+    async def _run(self, at: ActiveTurn, gen: Generation, admitted: asyncio.Future[None]) -> None:
+        """Start the engine request, then relay its reply. A request the engine refuses ends the turn here:
+        it is rolled back and ``admitted`` carries the error to :meth:`start`."""
+        at.running = True
         try:
             if at.abort_requested:
                 raise asyncio.CancelledError
             await gen.start()
         except asyncio.CancelledError:
-            await gen.close()
-            admitted.set_result(None)
-            return False
+            await gen.close()  # cancelled before it began: stored as aborted
         except BaseException as exc:
             self.active.pop(at.session_id, None)
             try:
@@ -242,14 +240,8 @@ class TurnRegistry:
             except RedisError:
                 log.exception("could not roll back turn %s", at.request_id)
             admitted.set_exception(exc)
-            return False
+            return
         admitted.set_result(None)
-        return True
-
-    async def _run(self, at: ActiveTurn, gen: Generation, admitted: asyncio.Future[None]) -> None:
-        at.running = True
-        if not await self._admit(at, gen, admitted) and at.session_id not in self.active:
-            return  # refused: rolled back
         await self._relay(at, gen.deltas() if gen.started else None, gen.close, [], "abort",
                           len(gen.prompt_token_ids))
 
@@ -258,6 +250,7 @@ class TurnRegistry:
                      prompt_len: int) -> None:
         """Pass a reply's deltas to its readers, then store it: the path of a turn generated here and of one
         taken over from a dead gateway. ``reason`` is the finish reason if no delta is read at all."""
+        at.running = True
         last: RequestDelta | None = None
         key = stream_key(at.session_id, at.turn)
         try:
@@ -337,12 +330,9 @@ class TurnRegistry:
         log.warning("took over turn %s of a dead gateway after %d tokens (%s)", at.request_id, done,
                     "relaying the rest" if stream is not None else "its request is gone: storing it interrupted")
         self.active[sid] = at
-        at.task = asyncio.create_task(self._run_adopted(at, stream, parts), name=f"turn-{at.request_id}")
+        relay = self._relay(at, stream, getattr(stream, "aclose", None), parts, "interrupted", 0)
+        at.task = asyncio.create_task(relay, name=f"turn-{at.request_id}")
         at.grace = asyncio.create_task(self._grace(at))  # no reader here yet: readers elsewhere may count
-
-    async def _run_adopted(self, at: ActiveTurn, stream: AsyncIterator[RequestDelta] | None, parts: list[str]) -> None:
-        at.running = True
-        await self._relay(at, stream, getattr(stream, "aclose", None), parts, "interrupted", 0)
 
     async def _retrying(self, at: ActiveTurn, deadline: float, op: Callable[[], Awaitable[T]]) -> T:
         """``op()``, retried with backoff while Redis is unreachable, until ``deadline`` (then it raises).
@@ -378,13 +368,8 @@ class TurnRegistry:
                             at.request_id, exc)
             if at.unwritten == 0 and at.drained is not None and not at.drained.done():
                 at.drained.set_result(None)
-            if stored is not None and not stored.done():
-                if isinstance(exc, asyncio.CancelledError):
-                    stored.cancel()
-                elif exc is not None:
-                    stored.set_exception(exc)
-                else:
-                    stored.set_result(None)
+            if stored is not None:
+                settle(stored, None, exc)
 
         at.unwritten += 1
         self.writer.append(key, data, written, final=stored is not None)
@@ -425,13 +410,15 @@ class TurnRegistry:
         there."""
         held = self._holds.pop(reader, None)
         if held is not None:
-            task = asyncio.create_task(self._detach_remote(*held, reader, abort_now))
-            task.add_done_callback(_log_failure)
+            asyncio.create_task(self._detach_remote(*held, reader, abort_now))
 
     async def _detach_remote(self, session_id: str, turn: int, reader: str, abort_now: bool) -> None:
-        await self.store.drop_reader(session_id, turn, reader)
-        if abort_now:
-            await self._tell_holder(session_id, turn, "detach")
+        try:
+            await self.store.drop_reader(session_id, turn, reader)
+            if abort_now:
+                await self._tell_holder(session_id, turn, "detach")
+        except Exception as exc:  # noqa: BLE001 - its lease lapses by itself
+            log.warning("could not give a reader's place back: %r", exc)
 
     async def _tell_holder(self, session_id: str, turn: int, op: str) -> bool:
         holder = await self.store.lock_holder(session_id)
@@ -512,14 +499,12 @@ class TurnRegistry:
         for at in list(self.active.values()):
             self._abort(at)
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.cancel()
-            await asyncio.gather(self._listener, return_exceptions=True)
-            self._listener = None
+        background = [t for t in (self._listener, self._keepalive) if t is not None]
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        self._listener = None
         if self._keepalive is not None:
-            self._keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keepalive
             self._keepalive = None
             with contextlib.suppress(RedisError):
                 await self.store.retire()
@@ -543,9 +528,7 @@ class TurnRegistry:
                         return
                 if at.closed:
                     break  # ended without its terminal event logged: Redis says what is left
-                waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                at.waiters.append(waiter)
-                await waiter
+                await at.changed.wait()
         async for item in self._follow_redis(session_id, turn, after):
             yield item
 
@@ -573,8 +556,3 @@ class TurnRegistry:
                 yield event_id(turn, sid), ev, data
                 if ev.get("type") in TERMINAL:
                     return
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("could not give a reader's place back: %r", task.exception())

@@ -7,13 +7,15 @@ import asyncio
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
 from chatsvc.store.base import RedisStore
 from chatsvc.store.keys import readers_key, stream_key
+
+T = TypeVar("T")
 
 # KEYS: one stream key per event; ARGV: the events' JSON, then the TTL. An XADD that fails comes back
 # as "!<error>" in its place (stream ids never start with "!"), so the others still stand.
@@ -98,6 +100,19 @@ class StreamStore(RedisStore):
 WriteCallback = Callable[[str | None, BaseException | None], None]
 
 
+def settle(fut: asyncio.Future[T], result: T, exc: BaseException | None) -> None:
+    """Complete ``fut`` as a :data:`WriteCallback` was told: with ``result``, or ``exc`` (a cancellation
+    cancels it); a future already done is left alone."""
+    if fut.done():
+        return
+    if isinstance(exc, asyncio.CancelledError):
+        fut.cancel()
+    elif exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
 class EventWriter:
     """Writes reply events to their streams, coalescing everything appended while a write is in flight
     (and everything appended in the same event-loop pass) into one :meth:`StreamStore.append_events` call.
@@ -124,18 +139,7 @@ class EventWriter:
     async def write(self, key: str, data: str, final: bool = False) -> str:
         """Append and wait: the event's stream id (it comes after every event appended before it)."""
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-        def done(eid: str | None, exc: BaseException | None) -> None:
-            if fut.done():
-                return
-            if isinstance(exc, asyncio.CancelledError):
-                fut.cancel()
-            elif exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(str(eid))
-
-        self.append(key, data, done, final)
+        self.append(key, data, lambda eid, exc: settle(fut, str(eid), exc), final)
         return await fut
 
     def forget(self, key: str) -> None:
