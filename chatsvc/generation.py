@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from chatsvc.errors import APIError
@@ -32,7 +33,7 @@ class Generation:
         self._it: AsyncIterator[RequestDelta] | None = None
         self._first: RequestDelta | None = None
         self.timer = RequestTimer(metrics)
-        self.reason_counts: dict[str, int] = {}
+        self.reason_counts: Counter[str] = Counter()
         self.started = False  # the engine admitted the request
 
     async def start(self) -> None:
@@ -79,13 +80,10 @@ class Generation:
             done = True
         finally:
             await self.close()
-            reason = "stop"
-            if self.reason_counts:
-                reason = max(self.reason_counts, key=lambda r: self.reason_counts[r])
+            reason = self.reason_counts.most_common(1)[0][0] if self.reason_counts else "stop"
             self.timer.finish(reason if done else "abort")
 
     def _observe(self, delta: RequestDelta) -> None:
         self.timer.on_tokens(delta.index, len(delta.token_ids))
         if delta.finished:
-            r = delta.finish_reason or "stop"
-            self.reason_counts[r] = self.reason_counts.get(r, 0) + 1
+            self.reason_counts[delta.finish_reason or "stop"] += 1

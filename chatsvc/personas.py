@@ -174,13 +174,6 @@ class Personas:
             except Exception as exc:  # noqa: BLE001 - whatever is wrong with one persona, the rest are pinned
                 log.error("persona %r not pinned: %s", name, exc)
 
-    async def pin(self, name: str, system_prompt: str) -> int:
-        """Pin a shared persona's prefix (used by tests and tools; routes go through :meth:`put`)."""
-        return await self._pin(pin_key(name), system_prefix_ids(self.engine.tokenizer, system_prompt))
-
-    async def unpin(self, name: str) -> None:
-        self._unpin(pin_key(name))
-
     async def _prefix_ids(self, system_prompt: str) -> list[int]:
         if self.offload is None:
             return system_prefix_ids(self.engine.tokenizer, system_prompt)

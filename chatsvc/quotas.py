@@ -51,9 +51,7 @@ class Quotas:
         self.streams[owner] += 1
 
     def end_stream(self, owner: str) -> None:
-        self.streams[owner] -= 1
-        if self.streams[owner] <= 0:
-            del self.streams[owner]
+        _give_back(self.streams, owner)
 
     def waiting_limit(self) -> int | None:
         """``max_waiting_share`` of the engine's waiting queue (at least 1); None when the engine does not say
@@ -73,9 +71,7 @@ class Quotas:
         try:
             yield
         finally:
-            self.waiting[owner] -= 1
-            if self.waiting[owner] <= 0:
-                del self.waiting[owner]
+            _give_back(self.waiting, owner)
 
     def check_readers(self, at: ActiveTurn | None) -> None:
         """Refuse one more reader of a running reply past ``max_readers_per_reply`` (each holds a buffer
@@ -103,9 +99,14 @@ class Quotas:
         self.sockets[owner] += 1
 
     def close_socket(self, owner: str) -> None:
-        self.sockets[owner] -= 1
-        if self.sockets[owner] <= 0:
-            del self.sockets[owner]
+        _give_back(self.sockets, owner)
+
+
+def _give_back(counts: Counter[str], owner: str) -> None:
+    """One of ``owner``'s places in ``counts`` back; an owner holding none leaves the counter."""
+    counts[owner] -= 1
+    if counts[owner] <= 0:
+        del counts[owner]
 
 
 class FrameBudget:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -51,9 +52,7 @@ class SessionStore(RedisStore):
         meta = SessionMeta(secrets.token_urlsafe(21), owner, persona, system_prompt, title, now, now, 0)
         key, index = session_key(meta.id), owner_sessions_key(owner)
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={
-                "id": meta.id, "owner": owner, "persona": persona, "system_prompt": system_prompt,
-                "title": title, "created": now, "updated": now, "turns": 0, "replied": 0})
+            pipe.hset(key, mapping={**dataclasses.asdict(meta), "replied": 0})
             pipe.expire(key, self.session_ttl_s)
             pipe.zadd(index, {meta.id: now})
             pipe.expire(index, self.session_ttl_s)
@@ -76,16 +75,11 @@ class SessionStore(RedisStore):
             for sid in ids:
                 pipe.hgetall(session_key(sid))
             raws = await pipe.execute()
-        out, stale = [], []
-        for sid, raw in zip(ids, raws, strict=True):
-            meta = _meta(raw, owner)
-            if meta is None:
-                stale.append(sid)
-            else:
-                out.append(meta)
+        metas = [_meta(raw, owner) for raw in raws]
+        stale = [sid for sid, meta in zip(ids, metas, strict=True) if meta is None]
         if stale:  # expired sessions leave the index as soon as they are seen
             await self.r.zrem(index, *stale)
-        return out
+        return [meta for meta in metas if meta is not None]
 
     async def delete_session(self, sid: str, owner: str) -> bool:
         keys = [session_key(sid), messages_key(sid), lock_key(sid)]

@@ -217,27 +217,27 @@ class TurnStore(Liveness):
             await self.r.expire(owner_sessions_key(owner), self.session_ttl_s)
         return res if res > 0 else None
 
+    async def _our_turn(self, script: str, sid: str, turn: int, *extra: object) -> int:
+        """Run a turn script on our own lock of ``turn``."""
+        args = self._turn_args(sid, "", False, self.lock_token(turn), turn, *extra)
+        return int(await self._script(script)(keys=_turn_keys(sid), args=args))
+
     async def rollback_turn(self, sid: str, turn: int) -> bool:
         """Undo begin_turn when generation could not even start (queue full, invalid request)."""
-        out = bool(await self._script(_ROLLBACK_TURN_LUA)(
-            keys=_turn_keys(sid), args=self._turn_args(sid, "", False, self.lock_token(turn), turn)))
+        out = bool(await self._our_turn(_ROLLBACK_TURN_LUA, sid, turn))
         await self.r.srem(self.locks_key(), sid)
         return out
 
     async def end_turn(self, sid: str, turn: int, assistant_message: dict[str, Any]) -> int:
         """Store the reply of ``turn`` and release its lock. Idempotent, so it may be retried after a
         lost answer: 1 stored now, 0 stored before (or recovered meanwhile), -1 the session is gone."""
-        out = int(await self._script(_END_TURN_LUA)(
-            keys=_turn_keys(sid),
-            args=self._turn_args(sid, "", False, self.lock_token(turn), turn, json.dumps(assistant_message))))
+        out = await self._our_turn(_END_TURN_LUA, sid, turn, json.dumps(assistant_message))
         await self.r.srem(self.locks_key(), sid)
         return out
 
     async def refresh_lock(self, sid: str, turn: int) -> bool:
         """Extend (or take back) the lock of our running ``turn``; False if it was lost."""
-        return bool(await self._script(_REFRESH_LOCK_LUA)(
-            keys=_turn_keys(sid),
-            args=self._turn_args(sid, "", False, self.lock_token(turn), turn, LOCK_TTL_S * 1000)))
+        return bool(await self._our_turn(_REFRESH_LOCK_LUA, sid, turn, LOCK_TTL_S * 1000))
 
     async def is_busy(self, sid: str) -> bool:
         """A live instance is generating a reply for the session."""
