@@ -7,14 +7,14 @@ latency histograms and stream gauges are updated by the gateway as requests flow
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.client import EngineClient
-from engine.protocol import EngineStats, WorkerStats
+from engine.protocol import EngineStats
 
 # CPU serving is slow and noisy: latency buckets reach into tens of seconds.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -73,24 +73,21 @@ def _worker_metrics(s: EngineStats) -> Iterator[Metric]:
                               "entries (one per request per engine step), summed", value=s.hop_seconds)
     yield CounterMetricFamily("chatsvc_worker_hop_entries", "Output entries read from workers",
                               value=float(s.hop_entries))
-    per_worker: dict[str, tuple[str, Callable[[WorkerStats], int]]] = {
-        "kv_blocks_total": ("Device KV cache blocks of the worker", lambda w: w.kv_blocks_total),
-        "kv_blocks_free": ("Device KV blocks no sequence holds on the worker (includes cached)",
-                           lambda w: w.kv_blocks_free),
-        "requests_running": ("Requests running on the worker", lambda w: w.requests_running),
-        "requests_waiting": ("Requests waiting on the worker", lambda w: w.requests_waiting),
-        "requests_swapped": ("Requests swapped out to CPU on the worker", lambda w: w.requests_swapped),
+    # Each named after the WorkerStats field it reports.
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    per_worker = {
+        "kv_blocks_total": (gauge, "Device KV cache blocks of the worker"),
+        "kv_blocks_free": (gauge, "Device KV blocks no sequence holds on the worker (includes cached)"),
+        "requests_running": (gauge, "Requests running on the worker"),
+        "requests_waiting": (gauge, "Requests waiting on the worker"),
+        "requests_swapped": (gauge, "Requests swapped out to CPU on the worker"),
+        "prefix_cache_hit_tokens": (counter, "Prompt tokens served from the worker's prefix cache"),
     }
-    for name, (doc, value) in per_worker.items():
-        g = GaugeMetricFamily(f"chatsvc_worker_{name}", doc, labels=["worker"])
+    for name, (family, doc) in per_worker.items():
+        metric = family(f"chatsvc_worker_{name}", doc, labels=["worker"])
         for wid, ws in s.workers.items():
-            g.add_metric([wid], float(value(ws)))
-        yield g
-    hits = CounterMetricFamily("chatsvc_worker_prefix_cache_hit_tokens", "Prompt tokens served from the worker's "
-                               "prefix cache", labels=["worker"])
-    for wid, ws in s.workers.items():
-        hits.add_metric([wid], float(ws.prefix_cache_hit_tokens))
-    yield hits
+            metric.add_metric([wid], float(getattr(ws, name)))
+        yield metric
 
 
 class Metrics:

@@ -7,7 +7,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,23 +41,19 @@ class _Tokens:
     def __init__(self, tokenizer: Any) -> None:
         self.text = TokenTexts(tokenizer)
 
-    def chat(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int) -> list[dict[str, Any]]:
-        return [self._chat_entry(tid, d, top_n) for tid, d in zip(token_ids, lps or [], strict=False)]
-
-    def chat_json(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int) -> list[Raw]:
-        """:meth:`chat`'s entries, each encoded as soon as it is built (for a whole non-streamed reply)."""
-        return [Raw(json.dumps(self._chat_entry(tid, d, top_n))) for tid, d in zip(token_ids, lps or [], strict=False)]
-
-    def _chat_entry(self, tid: int, d: dict[int, float], top_n: int) -> dict[str, Any]:
-        s = self.text(tid)
-        tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
-        return {"token": s, "logprob": float(d.get(tid, -9999.0)), "bytes": list(s.encode()),
-                "top_logprobs": [{"token": self.text(t), "logprob": float(lp),
-                                  "bytes": list(self.text(t).encode())} for t, lp in tops]}
+    def chat(self, token_ids: list[int], lps: list[dict[int, float]] | None,
+             top_n: int) -> Iterator[dict[str, Any]]:
+        """OpenAI's chat logprobs, an entry per token (a whole reply encodes each as soon as it is built)."""
+        for tid, d in zip(token_ids, lps or [], strict=False):
+            s = self.text(tid)
+            tops = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+            yield {"token": s, "logprob": float(d.get(tid, -9999.0)), "bytes": list(s.encode()),
+                   "top_logprobs": [{"token": self.text(t), "logprob": float(lp),
+                                     "bytes": list(self.text(t).encode())} for t, lp in tops]}
 
     def completion(self, token_ids: list[int], lps: list[dict[int, float]] | None, top_n: int,
                    offset: int, encoded: bool = False) -> dict[str, Any]:
-        """OpenAI's completion logprobs; ``encoded``: each top_logprobs dict already encoded (see chat_json)."""
+        """OpenAI's completion logprobs; ``encoded``: each top_logprobs dict already encoded (see chat)."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, d in zip(token_ids, lps or [], strict=False):
             s = self.text(tid)
@@ -218,12 +214,13 @@ async def chat_completions(request: Request) -> Response:
             return template.chat(d.index, d.text, first, reason)
         delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
         return template.encode([{"index": d.index, "delta": delta,
-                                 "logprobs": {"content": toks.chat(d.token_ids, d.logprobs, top)},
+                                 "logprobs": {"content": list(toks.chat(d.token_ids, d.logprobs, top))},
                                  "finish_reason": reason}])
 
     def choice(i: int, got: _Collected) -> dict[str, Any]:
         return {"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
-                "logprobs": {"content": toks.chat_json(got.tokens[i], got.lps[i], top)}
+                "logprobs": {"content": [Raw(json.dumps(entry))
+                                         for entry in toks.chat(got.tokens[i], got.lps[i], top)]}
                 if req.logprobs else None,
                 "finish_reason": got.reasons.get(i)}
 

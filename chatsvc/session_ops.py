@@ -47,10 +47,6 @@ async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
     return {**meta.public(), "busy": busy, "messages": await gw.store.messages(meta.id)}
 
 
-async def cancel(gw: Gateway, meta: SessionMeta) -> bool:
-    return await gw.turns.cancel(meta.id)
-
-
 class ReplyReader:
     """One reader of one session reply: its events after ``after``, until the done/error event."""
 

@@ -42,7 +42,7 @@ async def session(request: Request) -> JSONResponse:
     sid = request.path_params["sid"]
     meta = await ops.load_session(gw, sid, owner)
     if request.method == "DELETE":
-        await ops.cancel(gw, meta)
+        await gw.turns.cancel(meta.id)
         await gw.store.delete_session(sid, owner)
         return JSONResponse({"id": sid, "deleted": True})
     return JSONResponse(await ops.session_view(gw, meta))
@@ -88,7 +88,7 @@ async def cancel_reply(request: Request) -> JSONResponse:
     gw = gateway(request)
     owner = gw.auth.from_http(request.headers, request.query_params)
     meta = await ops.load_session(gw, request.path_params["sid"], owner)
-    return JSONResponse({"id": meta.id, "cancelled": await ops.cancel(gw, meta)})
+    return JSONResponse({"id": meta.id, "cancelled": await gw.turns.cancel(meta.id)})
 
 
 routes = [

@@ -66,7 +66,7 @@ class Connection:
             self.meta = await ops.load_session(self.gw, self.meta.id, self.owner)
             self._follow(await ops.send_message(self.gw, self.meta, req))
         elif kind == "cancel":
-            await ops.cancel(self.gw, self.meta)
+            await self.gw.turns.cancel(self.meta.id)
         elif kind == "resume":
             after = frame.get("after")
             if after is not None and not isinstance(after, str):
@@ -96,8 +96,7 @@ class Connection:
     def _following(self, meta: SessionMeta) -> bool:
         """This socket's pump is reading the session's latest reply right now."""
         r = self.reader
-        return (r is not None and self.pump is not None and not self.pump.done() and r.session_id == meta.id
-                and r.turn == meta.turns)
+        return self.streaming and r is not None and r.session_id == meta.id and r.turn == meta.turns
 
     def claim_socket(self, owner: str) -> None:
         """Count this socket against its owner's quota (429 past it)."""
