@@ -58,6 +58,7 @@ import dataclasses
 import json
 import logging
 import secrets
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator
@@ -71,6 +72,7 @@ from chatsvc.settings import SESSION_TTL_S
 from engine.client import EngineClient, StreamCounters, StreamLimits
 from engine.detokenizer import IncrementalDetokenizer
 from engine.protocol import (
+    MAX_TOKEN_ID,
     SNAPSHOT_WINDOW_S,
     Abort,
     AddRequest,
@@ -85,8 +87,8 @@ from engine.protocol import (
     Unpin,
     WantSnapshot,
 )
-from engine.request import SamplingParams
-from engine.streams import Beat, Deltas, Generate, Keys, decode, encode, raise_if_cancelled
+from engine.request import RequestLimits, SamplingParams, make_request
+from engine.streams import Beat, Deltas, Generate, Keys, decode, encode, entries, raise_if_cancelled
 
 if TYPE_CHECKING:
     from engine.protocol import RequestDelta
@@ -258,19 +260,11 @@ class RemoteEngine(EngineClient):
     ) -> AsyncGenerator[RequestDelta, None]:
         if not self._started:
             raise EngineDeadError("the gateway's engine client is not started")
-        if not isinstance(sampling_params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        sampling_params.validate()
-        if prompt_token_ids is None:
-            if prompt is None:
-                raise ValueError("prompt or prompt_token_ids is required")
-            prompt_token_ids = self.tokenizer.encode(prompt)
-        ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.max_model_len}")
-        return self._stream(request_id, sampling_params, ids, session_id)
+        # The workers hold the other limits (max_num_seqs, the vocabulary) and refuse a request past them.
+        limits = RequestLimits(sys.maxsize, MAX_TOKEN_ID + 1, self.max_model_len)
+        group = make_request(limits, self.tokenizer.encode, request_id, sampling_params, prompt,
+                             prompt_token_ids)
+        return self._stream(request_id, sampling_params, group.prompt_token_ids, session_id)
 
     async def _stream(self, request_id: str, params: SamplingParams, prompt_ids: list[int],
                       session_id: str | None) -> AsyncGenerator[RequestDelta, None]:
@@ -292,11 +286,7 @@ class RemoteEngine(EngineClient):
                 msg = Generate(AddRequest(request_id, self._rest(params, base), prompt_ids + streamed), where[1], pin)
                 await self._send(worker.worker, msg, session_id, base, len(prompt_ids))
                 try:
-                    async for delta in self._read(*where):
-                        if base:
-                            delta.completion_tokens += base
-                            delta.cached_tokens = min(delta.cached_tokens, len(prompt_ids))
-                        delta.prompt_tokens = len(prompt_ids)
+                    async for delta in self._read(*where, base, len(prompt_ids)):
                         cut = detok is not None and self._retext(detok, delta)
                         if params.n == 1:
                             streamed.extend(delta.token_ids)
@@ -394,11 +384,8 @@ class RemoteEngine(EngineClient):
 
     def _pin_of(self, prompt_ids: list[int]) -> str | None:
         """The longest pinned prefix the prompt starts with (a persona's system prompt)."""
-        best: tuple[int, str] | None = None
-        for key, ids in self._pins.items():
-            if len(ids) <= len(prompt_ids) and prompt_ids[: len(ids)] == ids and (best is None or len(ids) > best[0]):
-                best = (len(ids), key)
-        return best[1] if best else None
+        return max((key for key, ids in self._pins.items() if prompt_ids[: len(ids)] == ids),
+                   key=lambda key: len(self._pins[key]), default=None)
 
     async def _place(self, session_id: str | None, pin: str | None, failover: bool,
                      refused: set[str] | frozenset[str] = frozenset()) -> Beat:
@@ -430,8 +417,11 @@ class RemoteEngine(EngineClient):
         pipe.xadd(k.requests(worker), encode(msg))
         await pipe.execute()
 
-    async def _read(self, worker: str, dispatch: str) -> AsyncGenerator[RequestDelta, None]:
-        """The dispatch's deltas until its last; WorkerLost when the worker dies or leaves first."""
+    async def _read(self, worker: str, dispatch: str, base: int,
+                    prompt_len: int) -> AsyncGenerator[RequestDelta, None]:
+        """The dispatch's deltas until its last; WorkerLost when the worker dies or leaves first. Their counts
+        are the original request's: ``base`` output tokens streamed before this dispatch (failover), and the
+        original prompt's ``prompt_len`` tokens (0: unknown, keep the worker's)."""
         key, last = self.keys.out(dispatch), "0-0"
         block_ms = max(1, int(self.poll_s * 1000))
         while True:
@@ -446,20 +436,23 @@ class RemoteEngine(EngineClient):
                 raise
             if not resp and worker not in self.workers:
                 raise WorkerLost(f"worker {worker} stopped beating")
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    msg = decode(fields)
-                    if isinstance(msg, RequestError):
-                        if msg.kind == "WorkerGone":
-                            raise WorkerLost(msg.message)
-                        raise msg.exception()
-                    if isinstance(msg, Deltas):
-                        if msg.sent:
-                            self.hop_seconds += max(0.0, time.time() - msg.sent)
-                            self.hop_entries += 1
-                        for delta in msg.deltas:
-                            yield delta
+            for entry_id, fields in entries(resp):
+                last = entry_id
+                msg = decode(fields)
+                if isinstance(msg, RequestError):
+                    if msg.kind == "WorkerGone":
+                        raise WorkerLost(msg.message)
+                    raise msg.exception()
+                if isinstance(msg, Deltas):
+                    if msg.sent:
+                        self.hop_seconds += max(0.0, time.time() - msg.sent)
+                        self.hop_entries += 1
+                    for delta in msg.deltas:
+                        delta.completion_tokens += base
+                        if prompt_len:
+                            delta.prompt_tokens = prompt_len
+                            delta.cached_tokens = min(delta.cached_tokens, prompt_len)
+                        yield delta
 
     async def _end(self, request_id: str, where: tuple[str, str], aborted: bool) -> None:
         """Forget a dispatch; one that did not finish is aborted on its worker (frees its blocks)."""
@@ -492,11 +485,7 @@ class RemoteEngine(EngineClient):
         finished = False
         self._pending[worker] += 1
         try:
-            async for delta in self._read(worker, dispatch):
-                delta.completion_tokens += base
-                if prompt_len:
-                    delta.prompt_tokens = prompt_len
-                    delta.cached_tokens = min(delta.cached_tokens, prompt_len)
+            async for delta in self._read(worker, dispatch, base, prompt_len):
                 if delta.completion_tokens <= after:
                     if not delta.request_finished:
                         continue  # passed on by the gateway that died

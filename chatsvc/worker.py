@@ -42,7 +42,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from engine.client import EngineClient
 from engine.protocol import SNAPSHOT_WINDOW_S, Abort, Pin, ProtocolError, RequestError, Unpin, WantSnapshot
-from engine.streams import GROUP, Beat, Deltas, Generate, Keys, Message, decode, encode, raise_if_cancelled
+from engine.streams import GROUP, Beat, Deltas, Generate, Keys, decode, encode, entries, raise_if_cancelled
 
 log = logging.getLogger("chatsvc.worker")
 
@@ -64,23 +64,18 @@ class OutWriter:
     def __init__(self, redis: Any, ttl_s: int = OUT_TTL_S) -> None:
         self.r = redis
         self.ttl_s = ttl_s
-        self._pending: dict[str, list[Message]] = {}
+        self._pending: dict[str, list[Deltas | RequestError]] = {}
         self._wake = asyncio.Event()
         self._added = 0
         self._written = 0
         self._done = asyncio.Condition()
 
-    def deltas(self, key: str, msg: Deltas) -> None:
+    def put(self, key: str, msg: Deltas | RequestError) -> None:
         queued = self._pending.setdefault(key, [])
-        if queued and isinstance(queued[-1], Deltas):  # the writer fell behind: one entry still
-            queued[-1] = Deltas([*queued[-1].deltas, *msg.deltas])
+        if isinstance(msg, Deltas) and queued and isinstance(queued[-1], Deltas):  # the writer fell behind
+            queued[-1] = Deltas([*queued[-1].deltas, *msg.deltas])  # one entry still
         else:
             queued.append(msg)
-        self._added += 1
-        self._wake.set()
-
-    def error(self, key: str, msg: RequestError) -> None:
-        self._pending.setdefault(key, []).append(msg)
         self._added += 1
         self._wake.set()
 
@@ -103,7 +98,7 @@ class OutWriter:
                 self._written = mark
                 self._done.notify_all()
 
-    async def _write(self, batch: dict[str, list[Message]]) -> None:
+    async def _write(self, batch: dict[str, list[Deltas | RequestError]]) -> None:
         for attempt in range(5):
             pipe = self.r.pipeline(transaction=False)
             now = time.time()
@@ -185,14 +180,13 @@ class Worker:
         # Entries queued before routers saw the draining beat are answered, so their gateways go elsewhere.
         with contextlib.suppress(RedisError):
             resp = await self.r.xreadgroup(GROUP, self.id, {self.keys.requests(self.id): ">"}, count=1000)
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    with contextlib.suppress(ProtocolError):
-                        msg = decode(fields)
-                        if isinstance(msg, Generate):
-                            self.writer.error(self.keys.out(msg.dispatch),
-                                              RequestError(msg.add.request_id, "WorkerGone", "the worker is leaving"))
-                    await self._ack(entry_id)
+            for entry_id, fields in entries(resp):
+                with contextlib.suppress(ProtocolError):
+                    msg = decode(fields)
+                    if isinstance(msg, Generate):
+                        gone = RequestError(msg.add.request_id, "WorkerGone", "the worker is leaving")
+                        self.writer.put(self.keys.out(msg.dispatch), gone)
+                await self._ack(entry_id)
         if self._running:
             await asyncio.wait(list(self._running.values()), timeout=self.drain_timeout_s)
         await self.writer.flushed()
@@ -254,9 +248,8 @@ class Worker:
                 log.warning("reading requests failed: %r", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    self._take(entry_id, fields)
+            for entry_id, fields in entries(resp):
+                self._take(entry_id, fields)
 
     def _take(self, entry_id: str, fields: dict[str, str]) -> None:
         try:
@@ -276,15 +269,15 @@ class Worker:
             try:
                 stream = self.engine.generate(add.request_id, add.params, prompt_token_ids=list(add.prompt_token_ids))
             except Exception as exc:  # noqa: BLE001 - refused: the gateway maps the kind to its answer
-                self.writer.error(out, RequestError.of(add.request_id, exc))
+                self.writer.put(out, RequestError.of(add.request_id, exc))
                 return
             if msg.pin is not None:
                 self._ensure_pin(msg.pin)
             try:
                 async for delta in stream:
-                    self.writer.deltas(out, Deltas([delta]))
+                    self.writer.put(out, Deltas([delta]))
             except Exception as exc:  # noqa: BLE001 - the request failed; the worker serves on
-                self.writer.error(out, RequestError.of(add.request_id, exc))
+                self.writer.put(out, RequestError.of(add.request_id, exc))
         finally:
             self._running.pop(add.request_id, None)
             await self.writer.flushed()
@@ -309,15 +302,14 @@ class Worker:
                 log.warning("reading control messages failed: %r", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    try:
-                        self._control(decode(fields))
-                    except ProtocolError as exc:
-                        log.error("dropping control entry %s: %s", entry_id, exc)
+            for entry_id, fields in entries(resp):
+                last = entry_id
+                try:
+                    self._control(decode(fields))
+                except ProtocolError as exc:
+                    log.error("dropping control entry %s: %s", entry_id, exc)
 
-    def _control(self, msg: Message) -> None:
+    def _control(self, msg: object) -> None:
         match msg:
             case Abort():
                 if msg.request_id in self._running:

@@ -44,25 +44,32 @@ must bump ``VERSION`` to change or remove one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, ClassVar
+
+from annotated_types import MaxLen, MinLen
 
 from engine.protocol import (
     Abort,
     AddRequest,
     EngineStats,
+    Id,
+    Number,
     Pin,
     ProtocolError,
     RequestDelta,
     RequestError,
     Unpin,
     WantSnapshot,
-    decode_command,
+    dump_json,
     encode_command,
+    parse_json,
 )
 
-__all__ = ["VERSION", "GROUP", "Keys", "Generate", "Deltas", "Beat", "Message", "encode", "decode",
+__all__ = ["VERSION", "GROUP", "Keys", "Generate", "Deltas", "Beat", "Message", "encode", "decode", "Entry",
+           "entries",
            "raise_if_cancelled"]
 
 VERSION = 2
@@ -119,8 +126,8 @@ class Generate:
 
     TYPE: ClassVar[str] = "generate"
     add: AddRequest
-    dispatch: str
-    pin: str | None = None
+    dispatch: Annotated[str, MinLen(1), MaxLen(64)]
+    pin: Id | None = None
 
 
 @dataclass(frozen=True)
@@ -131,7 +138,7 @@ class Deltas:
 
     TYPE: ClassVar[str] = "deltas"
     deltas: list[RequestDelta]
-    sent: float = 0.0
+    sent: Number = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,27 +165,17 @@ class Beat:
         return self.stats.kv_blocks_free
 
     def to_json(self) -> str:
-        return json.dumps({"worker": self.worker, "pid": self.pid, "host": self.host, "model_name": self.model_name,
-                           "max_model_len": self.max_model_len, "block_size": self.block_size, "time": self.time,
-                           "draining": self.draining, "pins": self.pins, "stats": self.stats.to_json()})
+        return json.dumps({**dataclasses.asdict(self), "stats": self.stats.to_json()})
 
     @classmethod
     def from_json(cls, text: str) -> Beat:
-        try:
-            d = json.loads(text)
-            pins = d.get("pins", [])
-            if not isinstance(pins, list) or not all(isinstance(p, str) for p in pins):
-                raise ProtocolError("pins must be a list of strings")
-            return cls(worker=str(d["worker"]), pid=int(d["pid"]), host=str(d["host"]),
-                       model_name=str(d["model_name"]), max_model_len=int(d["max_model_len"]),
-                       block_size=int(d["block_size"]), time=float(d["time"]), draining=bool(d.get("draining")),
-                       pins=pins, stats=EngineStats.from_json(d.get("stats", {})))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"not a worker beat: {exc}") from None
+        return parse_json(cls, text)
 
 
 Message = Generate | Abort | Pin | Unpin | WantSnapshot | Deltas | RequestError
-_CONTROL = {Abort.TYPE, Pin.TYPE, Unpin.TYPE, WantSnapshot.TYPE}
+# What a stream entry's ``type`` may name (commands other than these travel only inside a Generate).
+_TYPES: dict[str, type[Message]] = {
+    "error": RequestError, **{c.TYPE: c for c in (Generate, Deltas, Abort, Pin, Unpin, WantSnapshot)}}
 
 
 def raise_if_cancelled() -> None:
@@ -192,22 +189,22 @@ def raise_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
+Entry = dict[str, str]  # a stream entry's fields, as XREAD returns them (decoded to str)
+
+
+def entries(resp: list[tuple[str, list[tuple[str, Entry]]]] | None) -> list[tuple[str, Entry]]:
+    """The (entry id, fields) pairs of an XREAD/XREADGROUP reply, over all its streams."""
+    return [entry for _stream, stream_entries in resp or [] for entry in stream_entries]
+
+
 def encode(msg: Message) -> dict[str, str]:
     """A message as the fields of one stream entry."""
-    data: dict[str, Any]
-    match msg:
-        case Generate():
-            kind = msg.TYPE
-            data = {"add": encode_command(msg.add), "dispatch": msg.dispatch, "pin": msg.pin}
-        case Deltas():
-            kind = msg.TYPE
-            data = {"deltas": [d.to_json() for d in msg.deltas], "sent": msg.sent}
-        case RequestError():
-            kind, data = "error", msg.to_json()
-        case _:
-            data = encode_command(msg)
-            kind = data.pop("type")
-    return {"v": str(VERSION), "type": kind, "data": json.dumps(data, separators=(",", ":"))}
+    if isinstance(msg, Generate):  # its add travels in its command form, type and all
+        data = json.dumps({**dataclasses.asdict(msg), "add": encode_command(msg.add)}, separators=(",", ":"))
+    else:
+        data = dump_json(msg)
+    kind = "error" if isinstance(msg, RequestError) else msg.TYPE
+    return {"v": str(VERSION), "type": kind, "data": data}
 
 
 def decode(entry: dict[str, str]) -> Message:
@@ -217,39 +214,9 @@ def decode(entry: dict[str, str]) -> Message:
         raise ProtocolError(f"message format version {str(entry.get('v') if isinstance(entry, dict) else None)[:20]!r}, "
                             f"this side speaks {VERSION}")
     kind, raw = entry.get("type", ""), entry.get("data")
+    cls = _TYPES.get(kind)
+    if cls is None:
+        raise ProtocolError(f"not a worker message: type {str(kind)[:40]!r}")
     if not isinstance(raw, str) or len(raw) > MAX_ENTRY_BYTES:
         raise ProtocolError("an entry's data must be a JSON object of bounded size")
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ProtocolError(f"an entry's data is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ProtocolError("an entry's data must be a JSON object")
-    try:
-        if kind == Generate.TYPE:
-            add = decode_command(data["add"])
-            if not isinstance(add, AddRequest):
-                raise ProtocolError("a generate entry must carry an add command")
-            dispatch, pin = data["dispatch"], data.get("pin")
-            if not isinstance(dispatch, str) or not 0 < len(dispatch) <= 64:
-                raise ProtocolError("dispatch must be a short string")
-            if pin is not None and (not isinstance(pin, str) or len(pin) > 256):
-                raise ProtocolError("pin must be a short string")
-            return Generate(add, dispatch, pin)
-        if kind == Deltas.TYPE:
-            deltas = data["deltas"]
-            if not isinstance(deltas, list):
-                raise ProtocolError("deltas must be a list")
-            sent = data.get("sent", 0.0)
-            if isinstance(sent, bool) or not isinstance(sent, int | float):
-                raise ProtocolError("sent must be a number")
-            return Deltas([RequestDelta.from_json(d) for d in deltas], float(sent))
-        if kind == "error":
-            return RequestError.from_json(data)
-        if kind in _CONTROL:
-            cmd = decode_command({**data, "type": kind})
-            assert isinstance(cmd, Abort | Pin | Unpin | WantSnapshot)
-            return cmd
-    except KeyError as exc:
-        raise ProtocolError(f"{kind} entry is missing {exc}") from None
-    raise ProtocolError(f"not a worker message: type {str(kind)[:40]!r}")
+    return parse_json(cls, raw)
