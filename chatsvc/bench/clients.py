@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
+import websockets
 
 from chatsvc.bench.metrics import RequestRecord
 
@@ -48,15 +50,10 @@ def classify_error(exc: BaseException) -> tuple[str, str]:
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientConnectionError
                   | ConnectionResetError):
         return "disconnected", str(exc)
-    try:
-        import websockets.exceptions as wse
-
-        if isinstance(exc, wse.InvalidStatus):
-            return f"http_{exc.response.status_code}", str(exc)
-        if isinstance(exc, wse.ConnectionClosed):
-            return "ws_closed", str(exc)
-    except ImportError:  # pragma: no cover - websockets is a dependency
-        pass
+    if isinstance(exc, websockets.InvalidStatus):
+        return f"http_{exc.response.status_code}", str(exc)
+    if isinstance(exc, websockets.ConnectionClosed):
+        return "ws_closed", str(exc)
     if isinstance(exc, OSError):
         return "connect", str(exc)
     if isinstance(exc, json.JSONDecodeError | ValueError | KeyError | TypeError):
@@ -86,12 +83,7 @@ def base_url(url: str) -> str:
 
 
 def ws_url(url: str) -> str:
-    b = base_url(url)
-    if b.startswith("https://"):
-        return "wss://" + b[len("https://"):] + "/v1/ws"
-    if b.startswith("http://"):
-        return "ws://" + b[len("http://"):] + "/v1/ws"
-    return b + "/v1/ws"
+    return re.sub("^http", "ws", base_url(url)) + "/v1/ws"  # http: -> ws:, https: -> wss:
 
 
 class ChatSession(Protocol):
@@ -242,11 +234,9 @@ class Client:
         return body
 
     async def open_session(self) -> ChatSession:
-        if self.cfg.mode == "openai":
-            return OpenAISession(self)
-        if self.cfg.mode == "sse":
-            return SseSession(self)
-        return WsSession(self)
+        kinds: dict[str, Callable[[Client], ChatSession]]
+        kinds = {"openai": OpenAISession, "sse": SseSession, "ws": WsSession}
+        return kinds[self.cfg.mode](self)
 
     async def aclose(self) -> None:
         await self.http.close()
@@ -308,8 +298,6 @@ class WsSession:
         self.id: str | None = None
 
     async def _connect(self) -> None:
-        import websockets
-
         cfg = self.client.cfg
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
         self.ws = await websockets.connect(

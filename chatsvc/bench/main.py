@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import math
 import signal
 import time
@@ -109,27 +110,23 @@ async def run_one(
         if install_persona:
             await _install_persona(client, *install_persona)
         task = bar.add_task(title, total=total, stats="")
-        done_count = 0
         t_start = time.perf_counter()
-
-        def on_record(rec: RequestRecord) -> None:
-            nonlocal done_count
-            done_count += 1
-            bar.update(task, completed=done_count)
 
         async def ticker() -> None:
             while True:
                 await asyncio.sleep(0.5)
                 el = max(time.perf_counter() - t_start, 1e-9)
                 toks = sum(r.output_tokens if r.output_tokens is not None else len(r.delta_times) for r in records)
+                done = sum(1 for r in records if r.end is not None or r.error)
                 errs = sum(1 for r in records if r.error)
-                bar.update(task, stats=f"{toks / el:7.1f} tok/s  {done_count / el:5.2f} req/s  errors {errs}")
+                bar.update(task, stats=f"{toks / el:7.1f} tok/s  {done / el:5.2f} req/s  errors {errs}")
 
         with bar:
             tick = asyncio.create_task(ticker())
             cpu0 = time.process_time()
             try:
-                t0, duration = await run_load(client, conversations, load, records, stop, on_record)
+                t0, duration = await run_load(client, conversations, load, records, stop,
+                                              lambda rec: bar.advance(task))
             finally:
                 tick.cancel()
             client_cpu = time.process_time() - cpu0
@@ -169,40 +166,38 @@ def main(args: argparse.Namespace) -> int:
 
     runs: list[dict[str, Any]] = []
     interrupted = False
-    for url, label in zip(urls, labels, strict=True):
-        for rate in rates:
-            cfg = ClientConfig(url=url, mode=args.mode, api_key=args.api_key, model=args.model,
-                               max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
-                               persona=persona, system_prompt=system_prompt if args.mode == "openai" else None)
-            load = LoadConfig(rate=rate, burstiness=args.burstiness, think_time_s=args.think_time,
-                              duration_s=args.duration, request_timeout_s=args.request_timeout,
-                              max_concurrency=args.max_concurrency, seed=args.seed)
-            title = label if math.isinf(rate) else f"{label} @ {rate:g}/s"
-            try:
-                with asyncio.Runner(loop_factory=loop_factory()) as runner:
-                    records, t0, duration, interrupted, model, client_cpu = runner.run(
-                        run_one(cfg, load, conversations, not args.no_progress, err, title, install))
-            except KeyboardInterrupt:
-                interrupted = True
-                break
-            except Exception as exc:  # the server was unusable before any load: say why and stop
-                kind, detail = classify_error(exc)
-                err.print(f"[red]error:[/red] {label}: {kind} {detail}")
-                return 1
-            count_missing_tokens(records, tok)
-            summary = summarize(records, duration, slo)
-            summary.update({"url": url, "label": label, "mode": args.mode, "model": model,
-                            "rate": None if math.isinf(rate) else rate, "interrupted": interrupted,
-                            "client_cpu_s": round(client_cpu, 3)})
-            runs.append(summary)
-            if args.sweep_rates is None:
-                print_summary(summary, out, title=f"chatsvc bench: {label} ({args.mode})")
-            if args.plot and args.sweep_rates is None and len(urls) == 1:
-                from chatsvc.bench.plot import plot_run
+    for (url, label), rate in itertools.product(zip(urls, labels, strict=True), rates):
+        cfg = ClientConfig(url=url, mode=args.mode, api_key=args.api_key, model=args.model,
+                           max_tokens=args.max_tokens, temperature=args.temperature,
+                           ignore_eos=args.ignore_eos, persona=persona,
+                           system_prompt=system_prompt if args.mode == "openai" else None)
+        load = LoadConfig(rate=rate, burstiness=args.burstiness, think_time_s=args.think_time,
+                          duration_s=args.duration, request_timeout_s=args.request_timeout,
+                          max_concurrency=args.max_concurrency, seed=args.seed)
+        title = label if math.isinf(rate) else f"{label} @ {rate:g}/s"
+        try:
+            with asyncio.Runner(loop_factory=loop_factory()) as runner:
+                records, t0, duration, interrupted, model, client_cpu = runner.run(
+                    run_one(cfg, load, conversations, not args.no_progress, err, title, install))
+        except KeyboardInterrupt:
+            interrupted = True
+            break
+        except Exception as exc:  # the server was unusable before any load: say why and stop
+            kind, detail = classify_error(exc)
+            err.print(f"[red]error:[/red] {label}: {kind} {detail}")
+            return 1
+        count_missing_tokens(records, tok)
+        summary = summarize(records, duration, slo)
+        summary.update({"url": url, "label": label, "mode": args.mode, "model": model,
+                        "rate": None if math.isinf(rate) else rate, "interrupted": interrupted,
+                        "client_cpu_s": round(client_cpu, 3)})
+        runs.append(summary)
+        if args.sweep_rates is None:
+            print_summary(summary, out, title=f"chatsvc bench: {label} ({args.mode})")
+        if args.plot and args.sweep_rates is None and len(urls) == 1:
+            from chatsvc.bench.plot import plot_run
 
-                plot_run(records, t0, args.plot, title=f"{label} ({args.mode})")
-            if interrupted:
-                break
+            plot_run(records, t0, args.plot, title=f"{label} ({args.mode})")
         if interrupted:
             break
 

@@ -76,12 +76,8 @@ def describe(values: list[float], scale: float = 1.0) -> dict[str, float | None]
     """mean / p50 / p90 / p99 of ``values`` times ``scale``; None for an empty list (valid JSON)."""
     if not values:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
-    return {
-        "mean": sum(values) / len(values) * scale,
-        "p50": percentile(values, 50) * scale,
-        "p90": percentile(values, 90) * scale,
-        "p99": percentile(values, 99) * scale,
-    }
+    tails = {f"p{q}": percentile(values, q) * scale for q in (50, 90, 99)}
+    return {"mean": sum(values) / len(values) * scale, **tails}
 
 
 def parse_slo(text: str | None) -> dict[str, float]:
@@ -104,14 +100,8 @@ def parse_slo(text: str | None) -> dict[str, float]:
 
 def meets_slo(rec: RequestRecord, slo: dict[str, float]) -> bool:
     """A request is good when it succeeded and every given bound holds (a missing TPOT counts as 0)."""
-    if not rec.ok:
-        return False
     values = {"ttft": rec.ttft, "tpot": rec.tpot or 0.0, "e2e": rec.latency}
-    for key, bound_ms in slo.items():
-        v = values[key]
-        if v is None or v * 1000.0 > bound_ms:
-            return False
-    return True
+    return rec.ok and all((v := values[key]) is not None and v * 1000.0 <= ms for key, ms in slo.items())
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,14 @@ def _cdf(ax: Any, values: list[float], label: str | None = None) -> None:
     ax.step(xs, ys, where="post", label=label)
 
 
+def _save(fig: Any, path: str | Path, title: str) -> None:
+    fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
 def plot_run(records: list[RequestRecord], t0: float, path: str | Path, title: str = "chatsvc bench") -> None:
     """Latency CDFs (TTFT, TPOT, ITL, E2E) and output throughput over time."""
     plt = _pyplot()
@@ -39,45 +48,27 @@ def plot_run(records: list[RequestRecord], t0: float, path: str | Path, title: s
     ]
     for ax, (label, values) in zip(axes.flat, series, strict=False):
         _cdf(ax, values)
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests" if "ITL" not in label else "fraction of gaps")
-        ax.grid(alpha=0.3)
-    ax = axes.flat[4]
+        ax.set(xlabel=label, ylabel="fraction of requests" if "ITL" not in label else "fraction of gaps")
     # About 40 bins over the run, at least 0.1 s each, so short and long runs both show a shape.
     span = max((t - t0 for r in done for t in r.delta_times), default=1.0)
     bin_s = max(0.1, span / 40)
     timeline = throughput_timeline(done, t0, bin_s)
     if timeline:
-        ax.step([t for t, _ in timeline], [v for _, v in timeline], where="mid")
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel(f"output tokens / s ({bin_s:.2g} s bins)")
-    ax.grid(alpha=0.3)
-    ax = axes.flat[5]
-    starts = sorted(r.start - t0 for r in records)
-    ends = sorted((r.end or r.start) - t0 for r in records)
+        axes.flat[4].step([t for t, _ in timeline], [v for _, v in timeline], where="mid")
+    axes.flat[4].set(xlabel="time since start (s)", ylabel=f"output tokens / s ({bin_s:.2g} s bins)")
     # Requests in flight over time: +1 at each start, -1 at each end.
-    events = sorted([(t, 1) for t in starts] + [(t, -1) for t in ends])
-    level, xs, ys = 0, [0.0], [0]
-    for t, d in events:
-        level += d
-        xs.append(t)
-        ys.append(level)
-    ax.step(xs, ys, where="post")
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("requests in flight")
-    ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    events = sorted([(r.start - t0, 1) for r in records] + [((r.end or r.start) - t0, -1) for r in records])
+    axes.flat[5].step([0.0, *(t for t, _ in events)], [0, *accumulate(d for _, d in events)], where="post")
+    axes.flat[5].set(xlabel="time since start (s)", ylabel="requests in flight")
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    _save(fig, path, title)
 
 
 def plot_sweep(points: list[dict[str, Any]], path: str | Path, title: str = "request-rate sweep") -> None:
     """The PagedAttention paper's picture: normalized latency (s/token) against request rate, one curve per
     server; goodput (or request throughput without an SLO) beside it."""
-    plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = _pyplot().subplots(1, 2, figsize=(12, 4.5))
     labels = list(dict.fromkeys(str(p["label"]) for p in points))
     has_slo = any(p.get("goodput_req_s") is not None for p in points)
     for label in labels:
@@ -86,15 +77,10 @@ def plot_sweep(points: list[dict[str, Any]], path: str | Path, title: str = "req
         ax1.plot(rates, [p.get("normalized_latency_s_per_token") for p in ps], marker="o", label=label)
         key = "goodput_req_s" if has_slo else "request_s"
         ax2.plot(rates, [p.get(key) for p in ps], marker="o", label=label)
-    ax1.set_xlabel("request rate (sessions/s)")
-    ax1.set_ylabel("normalized latency (s/token)")
-    ax2.set_xlabel("request rate (sessions/s)")
-    ax2.set_ylabel("goodput (req/s)" if has_slo else "request throughput (req/s)")
+    ax1.set(xlabel="request rate (sessions/s)", ylabel="normalized latency (s/token)")
+    ax2.set(xlabel="request rate (sessions/s)",
+            ylabel="goodput (req/s)" if has_slo else "request throughput (req/s)")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path, title)
