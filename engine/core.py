@@ -122,12 +122,11 @@ class EngineCore:
             case Pin():
                 try:
                     pinned = engine.pin_prefix(cmd.key, list(cmd.prompt_token_ids))
-                    reply = CallReply(cmd.call_id, result=pinned) if cmd.call_id is not None else None
+                    reply = CallReply(cmd.call_id or "", result=pinned)
                 except Exception as exc:  # noqa: BLE001 - reported to the caller
                     log.warning("could not pin %s: %r", cmd.key, exc)
-                    reply = (CallReply(cmd.call_id, error=RequestError.of("", exc)) if cmd.call_id is not None
-                             else None)
-                if reply is not None:
+                    reply = CallReply(cmd.call_id or "", error=RequestError.of("", exc))
+                if cmd.call_id is not None:
                     self.out.replies.append(reply)
             case Unpin():
                 engine.unpin_prefix(cmd.key)

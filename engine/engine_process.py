@@ -27,11 +27,13 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import inspect
 import logging
 import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -45,6 +47,7 @@ from engine.model_files import load_tokenizer
 from engine.process_child import Failed, Ready, child_main
 from engine.process_env import child_environment, default_engine_threads, environ, find_tcmalloc
 from engine.protocol import PROTOCOL_VERSION, Command, EngineDeadError, EngineInfo, Shutdown, StepOutput
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("chatsvc.engine")
 
@@ -78,14 +81,9 @@ class ProcessEngine(CoreClient):
         self._startup_timeout_s = startup_timeout_s
         self._max_deaths = max_deaths
         self._death_window_s = death_window_s
-        conn, proc = self._spawn()
-        try:
-            tokenizer, _ = load_tokenizer(config.model)
-            info = self._wait_ready(conn, proc, startup_timeout_s)
-        except BaseException:
-            self._reap(proc, 0.0)
-            conn.close()
-            raise
+        loaded: list[Tokenizer] = []  # the tokenizer loads here while the child loads the model
+        conn, proc, info = self._launch(meanwhile=lambda: loaded.append(load_tokenizer(config.model)[0]))
+        tokenizer = loaded[0]
         tokenizer.eos_token_ids = info.eos_token_ids  # the engine's stop tokens are the ones that count
         super().__init__(tokenizer, info, stream_limits)
         self._deaths: collections.deque[float] = collections.deque()
@@ -97,13 +95,11 @@ class ProcessEngine(CoreClient):
         self._log_child(info)
 
     @classmethod
-    def from_args(cls, model: str | None = None, *, startup_timeout_s: float = 600.0, max_deaths: int = MAX_DEATHS,
-                  death_window_s: float = DEATH_WINDOW_S, fault_request_prefix: str | None = None,
-                  stream_limits: StreamLimits | None = None, **settings: Any) -> ProcessEngine:
-        """Keyword form: the settings are ``EngineConfig``'s fields."""
-        return cls(EngineConfig(model=model, **settings), startup_timeout_s=startup_timeout_s,
-                   max_deaths=max_deaths, death_window_s=death_window_s, fault_request_prefix=fault_request_prefix,
-                   stream_limits=stream_limits)
+    def from_args(cls, model: str | None = None, **kwargs: Any) -> ProcessEngine:
+        """Keyword form: ``EngineConfig``'s fields, and this constructor's own keywords."""
+        own = inspect.signature(cls).parameters
+        config = EngineConfig(model=model, **{k: v for k, v in kwargs.items() if k not in own})
+        return cls(config, **{k: v for k, v in kwargs.items() if k in own})
 
     @property
     def pid(self) -> int:
@@ -114,7 +110,10 @@ class ProcessEngine(CoreClient):
         return self._state
 
     # -- the child --------------------------------------------------------------------------------
-    def _spawn(self) -> tuple[Connection, BaseProcess]:
+    def _launch(self, meanwhile: Callable[[], object] = lambda: None,
+                ) -> tuple[Connection, BaseProcess, EngineInfo]:
+        """A new child, ready (blocking: a restart runs it in a thread); ``meanwhile`` runs as it loads.
+        Raises the child's own error when it cannot build its engine."""
         ctx = mp.get_context("spawn")
         conn, child_conn = ctx.Pipe()
         proc = ctx.Process(target=child_main, name="chatsvc-engine", daemon=True,
@@ -122,7 +121,13 @@ class ProcessEngine(CoreClient):
         with environ(child_environment(find_tcmalloc())):
             proc.start()
         child_conn.close()  # so that the child's exit reads as EOF here
-        return conn, proc
+        try:
+            meanwhile()
+            return conn, proc, self._wait_ready(conn, proc, self._startup_timeout_s)
+        except BaseException:
+            self._reap(proc, 0.0)
+            conn.close()
+            raise
 
     @staticmethod
     def _wait_ready(conn: Connection, proc: BaseProcess, timeout_s: float) -> EngineInfo:
@@ -139,16 +144,6 @@ class ProcessEngine(CoreClient):
         if not isinstance(msg, Ready) or msg.info.protocol != PROTOCOL_VERSION:
             raise RuntimeError(f"engine process speaks another protocol (got {msg!r:.200})")
         return msg.info
-
-    def _launch(self) -> tuple[Connection, BaseProcess, EngineInfo]:
-        """A new child, ready; blocking (run in a thread)."""
-        conn, proc = self._spawn()
-        try:
-            return conn, proc, self._wait_ready(conn, proc, self._startup_timeout_s)
-        except BaseException:
-            self._reap(proc, 0.0)
-            conn.close()
-            raise
 
     @staticmethod
     def _log_child(info: EngineInfo) -> None:
