@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from chatsvc.settings import Settings, api_keys_from_env, default_data_dir, flag_fields
+from chatsvc.settings import Settings, api_keys_from_env, default_data_dir, flag_fields, split_csv
 from chatsvc.worker import DEFAULT_TTL_S, DRAIN_TIMEOUT_S
 from engine.client import EngineClient
 from engine.config import EngineConfig, literal_choices
@@ -103,10 +103,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
-def _csv(value: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
-
-
 def is_loopback(host: str) -> bool:
     import ipaddress
 
@@ -133,8 +129,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if host not in ("0.0.0.0", "::", "") and host not in hosts:
         hosts = (*hosts, f"[{host}]" if ":" in host else host)
     if args.allowed_hosts:
-        hosts = _csv(args.allowed_hosts)
-    origins = _csv(args.allowed_origins) if args.allowed_origins else Settings().allowed_origins
+        hosts = split_csv(args.allowed_hosts)
+    origins = split_csv(args.allowed_origins) if args.allowed_origins else Settings().allowed_origins
     return Settings(api_keys=keys, allowed_origins=origins, allowed_hosts=hosts, admin_keys=admins,
                     metrics_key=args.metrics_key or None, **{f.name: getattr(args, f.name) for f in flag_fields()})
 

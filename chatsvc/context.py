@@ -61,20 +61,18 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":
         raise APIError(415, "send the body as Content-Type: application/json", code="unsupported_media_type")
+    too_large = APIError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_bytes:
-        raise APIError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large")
-    chunks: list[bytes] = []
-    size = 0
+        raise too_large
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
+        body += chunk
+        if len(body) > max_bytes:
+            raise too_large
+    if not body.strip():
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    return decode_json(raw)
+    return decode_json(bytes(body))
 
 
 MAX_JSON_DEPTH = 32

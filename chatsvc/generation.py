@@ -12,11 +12,6 @@ from engine.protocol import QueueFullError, RequestDelta
 from engine.request import SamplingParams
 
 
-def queue_full_error(retry_after_s: int) -> APIError:
-    return APIError(429, "the server is at capacity; retry shortly", code="queue_full",
-                    headers={"Retry-After": str(retry_after_s)})
-
-
 class Generation:
     """Wraps ``engine.generate``: the first delta is fetched eagerly by :meth:`start`, so admission
     errors (invalid request, full queue) surface as HTTP errors before any response is sent."""
@@ -49,7 +44,8 @@ class Generation:
             raise APIError(400, str(exc), code="invalid_request") from exc
         except QueueFullError as exc:
             await self.close()
-            raise queue_full_error(self.retry_after_s) from exc
+            raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
+                           headers={"Retry-After": str(self.retry_after_s)}) from exc
         except BaseException:  # cancelled or failed: the engine request must not outlive this
             await self.close()
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 TEMPLATE_TOKENS = 5  # what the chat template adds around one message (<|im_start|>role\n ... <|im_end|>\n)
@@ -74,10 +75,5 @@ def fit_conversation(tokenizer: Any, system_prompt: str, history: list[dict[str,
                 hi = lo + step - 1
                 break
             lo, step = lo + step, step * 2
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
+    hi = lo + bisect.bisect_left(range(lo, hi), True, key=fits)
     return ids(hi), hi

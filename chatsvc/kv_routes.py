@@ -25,13 +25,11 @@ def _visible(gw: Gateway, snap: KVSnapshot, owner: str) -> KVSnapshot:
     """The block picture as ``owner`` may see it: their own requests and pins by name, everyone else's
     blocks still drawn but under opaque labels (request ids and owners' persona names are private)."""
     own = {at.request_id for at in gw.turns.active.values() if at.owner == owner}
-    requests: dict[str, list[int]] = {}
-    for i, (rid, blocks) in enumerate(snap.requests.items()):
-        requests[rid if rid in own else f"other-{i}"] = blocks
-    pins: dict[str, list[int]] = {}
-    for i, (key, blocks) in enumerate(snap.pins.items()):
-        shared = key.count(":") == 1
-        pins[key if shared or key.startswith(pin_key("", owner)) else f"persona:other-{i}"] = blocks
+    requests = {rid if rid in own else f"other-{i}": blocks
+                for i, (rid, blocks) in enumerate(snap.requests.items())}
+    # A shared persona's pin key is "persona:<name>"; an owner's, "persona:<owner>:<name>".
+    pins = {key if key.count(":") == 1 or key.startswith(pin_key("", owner)) else f"persona:other-{i}": blocks
+            for i, (key, blocks) in enumerate(snap.pins.items())}
     return dataclasses.replace(snap, requests=requests, pins=pins)
 
 

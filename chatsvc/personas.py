@@ -202,11 +202,8 @@ class Personas:
         if key in self.pinned:
             self.pinned.move_to_end(key)
 
-    def _block_size(self) -> int:
-        return self.engine.kv_snapshot().block_size
-
     def _blocks(self, tokens: int) -> int:
-        return math.ceil(tokens / self._block_size())
+        return math.ceil(tokens / self.engine.kv_snapshot().block_size)
 
     def _pinned_blocks(self) -> int:
         return sum(self._blocks(n) for n in self.pinned.values())

@@ -102,7 +102,6 @@ class SamplingFields(_Lenient):
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from exc
 
-
     def _beam_params(self) -> dict[str, Any]:
         return {}
 
@@ -230,10 +229,14 @@ SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 EVENT_ID = re.compile(r"^(?:\d{1,9}:)?(?:\d{1,20}(?:-\d{1,20})?)?$")
 
 
+def session_not_found(sid: str) -> APIError:
+    return APIError(404, f"session {sid[:80]!r} not found", code="session_not_found", param="session_id")
+
+
 def check_session_id(sid: str) -> None:
     """A session id the store never issued (``<id>:messages``, ``../x``) is a 404, never a store lookup."""
     if not SESSION_ID.match(sid):
-        raise APIError(404, f"session {sid[:80]!r} not found", code="session_not_found", param="session_id")
+        raise session_not_found(sid)
 
 
 def check_event_id(value: str | None, param: str = "after") -> None:

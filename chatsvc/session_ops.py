@@ -13,13 +13,9 @@ from typing import Any
 from chatsvc.context import Gateway
 from chatsvc.errors import APIError
 from chatsvc.personas import DEFAULT_PERSONA
-from chatsvc.schemas import SessionMessage, check_event_id, check_session_id
+from chatsvc.schemas import SessionMessage, check_event_id, check_session_id, session_not_found
 from chatsvc.store import SessionMeta
 from chatsvc.turns import ActiveTurn, parse_event_id
-
-
-def session_not_found(sid: str) -> APIError:
-    return APIError(404, f"session {sid!r} not found", code="session_not_found", param="session_id")
 
 
 async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:

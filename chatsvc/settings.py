@@ -28,9 +28,12 @@ def default_data_dir() -> Path:
     return Path(base) / "chatsvc"
 
 
+def split_csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
 def api_keys_from_env(name: str = "CHATSVC_API_KEYS") -> tuple[str, ...]:
-    raw = os.environ.get(name, "")
-    return tuple(k.strip() for k in raw.split(",") if k.strip())
+    return split_csv(os.environ.get(name, ""))
 
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")

@@ -52,7 +52,7 @@ from chatsvc.generation import Generation
 from chatsvc.history import fit_conversation
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
-from chatsvc.schemas import SamplingFields, resolve_max_tokens, usage
+from chatsvc.schemas import SamplingFields, resolve_max_tokens, session_not_found, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.store.keys import stream_key
@@ -205,8 +205,7 @@ class TurnRegistry:
         try:
             turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
         except SessionGone as exc:
-            raise APIError(404, f"session {meta.id!r} not found", code="session_not_found",
-                           param="session_id") from exc
+            raise session_not_found(meta.id) from exc
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona, truncated_turns=truncated,
