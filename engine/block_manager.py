@@ -11,6 +11,7 @@ hold it.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from engine.block_pool import BlockPool, hash_block
@@ -20,14 +21,8 @@ BlockPlan = list[tuple[int, int]]
 
 
 class BlockManager:
-    def __init__(
-        self,
-        block_size: int,
-        num_device_blocks: int,
-        num_cpu_blocks: int = 0,
-        enable_prefix_caching: bool = True,
-        extra_key: bytes = b"",
-    ) -> None:
+    def __init__(self, block_size: int, num_device_blocks: int, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = True, extra_key: bytes = b"") -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
@@ -78,6 +73,16 @@ class BlockManager:
             parent = hash_block(parent, tokens, self.extra_key)
             yield parent, tokens
 
+    def _cached_blocks(self, token_ids: list[int], limit_tokens: int) -> list[int]:
+        """Device blocks whose cached tokens are the leading full blocks of ``token_ids[:limit_tokens]``."""
+        hits: list[int] = []
+        for block_hash, tokens in self._full_block_hashes(token_ids, limit_tokens):
+            block_id = self.device.lookup(block_hash, tokens)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Device blocks already holding this sequence's leading full blocks (no state change).
 
@@ -87,13 +92,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        hits: list[int] = []
-        for block_hash, tokens in self._full_block_hashes(seq.token_ids, seq.num_tokens - 1):
-            block_id = self.device.lookup(block_hash, tokens)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return self._cached_blocks(seq.token_ids, seq.num_tokens - 1)
 
     # -- allocation ---------------------------------------------------------------------------
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> int:
@@ -150,15 +149,11 @@ class BlockManager:
             raise RuntimeError("allocate_slots without room; call can_allocate first")
         copies: BlockPlan = []
         if seq.seq_id not in self._tables:
-            table: list[int] = []
-            self._tables[seq.seq_id] = table
-            self._reported[seq.seq_id] = 0
-            self._hashes[seq.seq_id] = []
-            self._num_slots[seq.seq_id] = 0
             prefix_blocks = prefix_blocks or []
             for block_id in prefix_blocks:
                 self.device.incref(block_id)
-                table.append(block_id)
+            self._tables[seq.seq_id] = list(prefix_blocks)
+            self._reported[seq.seq_id] = 0
             hit_tokens = len(prefix_blocks) * self.block_size
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit_tokens
@@ -236,12 +231,9 @@ class BlockManager:
             self.free(seq)
 
     # -- swapping -----------------------------------------------------------------------------
-    def _group_blocks(self, group: SequenceGroup) -> list[int]:
-        seen: dict[int, None] = {}
-        for seq in group.seqs:
-            for block_id in self._tables.get(seq.seq_id, []):
-                seen[block_id] = None
-        return list(seen)
+    def _group_blocks(self, group: SequenceGroup) -> Counter[int]:
+        """How many of the group's tables hold each of its blocks (in first-seen order)."""
+        return Counter(b for seq in group.seqs for b in self._tables.get(seq.seq_id, []))
 
     def resident_prefix_blocks(self, group: SequenceGroup) -> int:
         """Leading blocks of the group's table that a table or pin outside the group also holds: freeing the
@@ -250,10 +242,7 @@ class BlockManager:
         seqs = [s for s in group.seqs if s.seq_id in self._tables and s.seq_id not in self._on_cpu]
         if not seqs or not self.enable_prefix_caching:
             return 0
-        inside: dict[int, int] = {}
-        for seq in seqs:
-            for block_id in self._tables[seq.seq_id]:
-                inside[block_id] = inside.get(block_id, 0) + 1
+        inside = self._group_blocks(group)
         count = 0
         for block_id in self._tables[seqs[0].seq_id]:
             block = self.device.blocks[block_id]
@@ -281,12 +270,8 @@ class BlockManager:
         return self._move(group, self.cpu, self.device, to_cpu=False)
 
     def _move(self, group: SequenceGroup, src: BlockPool, dst: BlockPool, to_cpu: bool) -> BlockPlan:
-        holders: dict[int, int] = {}
-        for seq in group.seqs:
-            for block_id in self._tables.get(seq.seq_id, []):
-                holders[block_id] = holders.get(block_id, 0) + 1
         mapping: dict[int, int] = {}
-        for block_id, count in holders.items():
+        for block_id, count in self._group_blocks(group).items():
             new = dst.allocate().block_id
             for _ in range(count - 1):
                 dst.incref(new)
@@ -314,12 +299,7 @@ class BlockManager:
         """Hold the cached full blocks of ``token_ids`` so they are never evicted; returns the
         number of tokens pinned (the leading full blocks that are in the cache)."""
         self.unpin(key)
-        blocks: list[int] = []
-        for block_hash, tokens in self._full_block_hashes(token_ids, len(token_ids)):
-            block_id = self.device.lookup(block_hash, tokens)
-            if block_id is None:
-                break
-            blocks.append(block_id)
+        blocks = self._cached_blocks(token_ids, len(token_ids))
         for block_id in blocks:
             self.device.incref(block_id)
         self._pins[key] = blocks
@@ -351,15 +331,10 @@ class BlockManager:
 
     def holders(self) -> tuple[dict[int, int], dict[int, int]]:
         """How many tables/pins hold each (device, cpu) block: the refcount invariant's oracle."""
-        device: dict[int, int] = {}
-        cpu: dict[int, int] = {}
+        device: Counter[int] = Counter(b for blocks in self._pins.values() for b in blocks)
+        cpu: Counter[int] = Counter()
         for seq_id, table in self._tables.items():
-            counts = cpu if seq_id in self._on_cpu else device
-            for block_id in table:
-                counts[block_id] = counts.get(block_id, 0) + 1
-        for blocks in self._pins.values():
-            for block_id in blocks:
-                device[block_id] = device.get(block_id, 0) + 1
+            (cpu if seq_id in self._on_cpu else device).update(table)
         return device, cpu
 
     def check_invariants(self) -> None:

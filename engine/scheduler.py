@@ -107,6 +107,10 @@ class _StepPlan:
     ignored: list[SequenceGroup] = field(default_factory=list)
 
 
+def _arrival(group: SequenceGroup) -> float:
+    return group.arrival_time
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  costs: PreemptionCosts | None = None) -> None:
@@ -132,26 +136,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def find(self, request_id: str) -> SequenceGroup | None:
-        for queue in (self.running, self.waiting, self.swapped):
-            for group in queue:
-                if group.request_id == request_id:
-                    return group
-        return None
-
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request from whichever queue holds it and free all its blocks at once."""
-        group = self.find(request_id)
-        if group is None:
-            return None
         for queue in (self.running, self.waiting, self.swapped):
-            if group in queue:
+            group = next((g for g in queue if g.request_id == request_id), None)
+            if group is not None:
                 queue.remove(group)
-        for seq in group.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "abort"
-        self._finish_group(group)
-        return group
+                self._end(group, "abort")
+                return group
+        return None
 
     def _num_running_seqs(self) -> int:
         return sum(self._seq_slots(g) for g in self.running)
@@ -170,14 +163,8 @@ class Scheduler:
             budget = self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
-        return SchedulerOutput(
-            scheduled=tuple(plan.scheduled),
-            blocks_to_swap_out=tuple(plan.swap_out),
-            blocks_to_swap_in=tuple(plan.swap_in),
-            blocks_to_copy=tuple(plan.copies),
-            preempted=tuple(plan.preempted),
-            ignored=tuple(plan.ignored),
-        )
+        return SchedulerOutput(tuple(plan.scheduled), tuple(plan.swap_out), tuple(plan.swap_in), tuple(plan.copies),
+                               tuple(plan.preempted), tuple(plan.ignored))
 
     def _requests_for(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         requests = []
@@ -189,13 +176,14 @@ class Scheduler:
         return requests
 
     def _commit(self, plan: _StepPlan, group: SequenceGroup, requests: list[tuple[Sequence, int]]) -> int:
-        used = 0
         for seq, n in requests:
             start = seq.num_computed_tokens
             plan.copies.extend(self.block_manager.allocate_slots(seq, n))
-            plan.scheduled.append(ScheduledSeq(group, seq, start, n, *self.block_manager.take_table_update(seq)))
-            used += n
-        return used
+            self._schedule_seq(plan, group, seq, start, n)
+        return sum(n for _, n in requests)
+
+    def _schedule_seq(self, plan: _StepPlan, group: SequenceGroup, seq: Sequence, start: int, n: int) -> None:
+        plan.scheduled.append(ScheduledSeq(group, seq, start, n, *self.block_manager.take_table_update(seq)))
 
     def _schedule_running(self, plan: _StepPlan, budget: int) -> int:
         i = 0
@@ -226,8 +214,7 @@ class Scheduler:
             plan.swap_out.extend(self.block_manager.swap_out(group))
             group.status = RequestStatus.SWAPPED
             # Oldest first, so swapped groups come back in arrival order.
-            keys = [g.arrival_time for g in self.swapped]
-            self.swapped.insert(bisect.bisect_right(keys, group.arrival_time), group)
+            bisect.insort(self.swapped, group, key=_arrival)
             self.num_preemptions["swap"] += 1
         else:
             self.block_manager.free_group(group)
@@ -303,21 +290,21 @@ class Scheduler:
                 group.num_cached_tokens = group.seqs[0].num_computed_tokens
             self._insert_running(group)
             for seq, n in admitted:
-                if n == 0:
-                    continue
-                start = seq.num_computed_tokens
-                plan.scheduled.append(ScheduledSeq(group, seq, start, n, *self.block_manager.take_table_update(seq)))
+                if n:
+                    self._schedule_seq(plan, group, seq, seq.num_computed_tokens, n)
 
     def _ignore(self, group: SequenceGroup, plan: _StepPlan) -> None:
-        for seq in group.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "length"
-        self._finish_group(group)
+        self._end(group, "length")
         plan.ignored.append(group)
 
+    def _end(self, group: SequenceGroup, reason: str) -> None:
+        """Finish the group's unfinished sequences with ``reason`` and free all its blocks."""
+        for seq in group.unfinished_seqs():
+            seq.finish_reason = reason
+        self._finish_group(group)
+
     def _insert_running(self, group: SequenceGroup) -> None:
-        keys = [g.arrival_time for g in self.running]
-        self.running.insert(bisect.bisect_right(keys, group.arrival_time), group)
+        bisect.insort(self.running, group, key=_arrival)
 
     # -- after the model ran ------------------------------------------------------------------
     def update(self, output: SchedulerOutput) -> None:
@@ -328,13 +315,7 @@ class Scheduler:
     def fork(self, group: SequenceGroup) -> list[Sequence]:
         """Split a group's single sequence into ``n`` that share its blocks (after its prompt)."""
         parent = group.seqs[0]
-        children = []
-        for index in range(len(group.seqs), group.sampling_params.n):
-            child = parent.fork(index)
-            self.block_manager.fork(parent, child)
-            group.seqs.append(child)
-            children.append(child)
-        return children
+        return [self.fork_seq(group, parent) for _ in range(len(group.seqs), group.sampling_params.n)]
 
     def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new beam continuing ``parent``: it shares every block of it; whichever of the two writes into the
@@ -360,9 +341,7 @@ class Scheduler:
         seq.finish_reason = reason
         self.block_manager.free(seq)
         if all(s.is_finished for s in group.seqs) and not group.needs_fork:
-            if group in self.running:
-                self.running.remove(group)
-            self._finish_group(group)
+            self.finish_group(group)
 
     def _finish_group(self, group: SequenceGroup) -> None:
         self.block_manager.free_group(group)
