@@ -74,19 +74,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):  # a Path is as good as its string, and pickles the same
             object.__setattr__(self, "model", os.fspath(self.model))
-        hints = typing.get_type_hints(EngineConfig)
-        for f in dataclasses.fields(self):
-            choices = literal_choices(hints[f.name])
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        _check_choices(self)
         if self.num_kv_blocks is not None and self.kv_cache_mb is not None:
             raise ValueError("give num_kv_blocks or kv_cache_mb, not both")
-        for name in ("block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads", "tensor_parallel_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.swap_space_mb < 0:
-            raise ValueError(f"swap_space_mb must be >= 0, got {self.swap_space_mb}")
+        _check_at_least(self, 1, "block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads",
+                        "tensor_parallel_size")
+        _check_at_least(self, 0, "swap_space_mb")
 
     def cache_config(self, block_bytes: int) -> CacheConfig:
         """Sizes in blocks, for blocks of ``block_bytes`` (all layers' K and V of ``block_size`` tokens)."""
@@ -116,6 +109,23 @@ def literal_choices(hint: Any) -> tuple[Any, ...]:
     return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
 
 
+def _check_choices(config: Any) -> None:
+    """ValueError for a field of a config dataclass whose value is not one its ``Literal`` hint allows."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        choices = literal_choices(hints[f.name])
+        if choices and getattr(config, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(config, f.name)!r}")
+
+
+def _check_at_least(config: Any, minimum: int, *names: str) -> None:
+    """ValueError for any of the fields ``names`` below ``minimum`` (unset ones, None, pass)."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -124,12 +134,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_device_blocks < 1:
-            raise ValueError(f"num_device_blocks must be >= 1, got {self.num_device_blocks}")
-        if self.num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        _check_at_least(self, 1, "block_size", "num_device_blocks")
+        _check_at_least(self, 0, "num_cpu_blocks")
 
 
 @dataclass(frozen=True)
@@ -145,14 +151,6 @@ class SchedulerConfig:
     max_waiting: int = 1024
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.preemption_mode not in literal_choices(PreemptionMode):
-            raise ValueError(f"preemption_mode must be one of {list(literal_choices(PreemptionMode))}, "
-                             f"got {self.preemption_mode!r}")
-        if self.kv_reservation not in ("paged", "max_len"):
-            raise ValueError(f"kv_reservation must be 'paged' or 'max_len', got {self.kv_reservation!r}")
+        _check_at_least(self, 1, "max_num_seqs", "max_num_batched_tokens")
+        _check_at_least(self, 2, "max_model_len")
+        _check_choices(self)
