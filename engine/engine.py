@@ -127,10 +127,8 @@ class LLMEngine:
                                                                    self.dtype))
         self.scheduler_config = config.scheduler_config(loaded.config.max_position_embeddings, self.cache_config)
         cache = self.cache_config
-        self.block_manager = BlockManager(
-            cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks, cache.enable_prefix_caching,
-            extra_key=str(self.model_path).encode(),
-        )
+        self.block_manager = BlockManager(cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks,
+                                          cache.enable_prefix_caching, extra_key=str(self.model_path).encode())
         self.runner: ModelRunner = make_runner(loaded.model, backend, cache, self.dtype, config)
         costs = PreemptionCosts()
         if self.scheduler_config.preemption_mode == "auto" and cache.num_cpu_blocks:  # without them: recompute
@@ -158,13 +156,8 @@ class LLMEngine:
         return RequestLimits(self.scheduler_config.max_num_seqs, self.model_config.vocab_size, self.max_model_len)
 
     # -- requests ---------------------------------------------------------------------------------
-    def make_request(
-        self,
-        request_id: str,
-        sampling_params: SamplingParams,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-    ) -> SequenceGroup:
+    def make_request(self, request_id: str, sampling_params: SamplingParams, prompt: str | None = None,
+                     prompt_token_ids: list[int] | None = None) -> SequenceGroup:
         """Validate a request and build its group without touching engine state."""
         return make_request(self.request_limits, self.tokenizer.encode, request_id, sampling_params, prompt,
                             prompt_token_ids)
@@ -417,8 +410,7 @@ class LLMEngine:
         results = []
         for i, hyp in enumerate(hyps):
             seq = Sequence(group.prompt_token_ids + list(hyp.token_ids), group.num_prompt_tokens, index=i)
-            detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params,
-                                           eos_token_ids=self.eos_token_ids)
+            detok = self._detokenizer(seq, params)
             step = detok.step(list(hyp.token_ids))
             if not step.stopped:
                 detok.flush()
@@ -447,9 +439,7 @@ class LLMEngine:
             seq.output_logprobs.append(logprobs)
         detok = self._detok.get(seq.seq_id)
         if detok is None:
-            detok = self._detok[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, params, eos_token_ids=self.eos_token_ids
-            )
+            detok = self._detok[seq.seq_id] = self._detokenizer(seq, params)
         step = detok.step([token])
         text = step.text_delta
         reason: str | None = None
@@ -466,13 +456,7 @@ class LLMEngine:
         if reason is not None and not step.stopped:
             text += detok.flush()
         seq.output_text = detok.output_text
-        delta = RequestDelta(
-            request_id=group.request_id, index=seq.index, text=text, token_ids=[token],
-            finished=reason is not None, finish_reason=reason,
-            logprobs=[logprobs] if logprobs is not None else None,
-            prompt_tokens=group.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
-            cached_tokens=group.num_cached_tokens, stop_reason=seq.stop_reason,
-        )
+        delta = _delta(group, seq, text, [token], reason, [logprobs] if logprobs is not None else None)
         if reason is None:
             return delta
         self.scheduler.finish_seq(group, seq, reason)
@@ -482,6 +466,9 @@ class LLMEngine:
             group.finished_time = time.monotonic()
             self._groups.pop(group.request_id, None)
         return delta
+
+    def _detokenizer(self, seq: Sequence, params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
 
     def _forget_seq(self, seq: Sequence) -> None:
         self.runner.free_seq(seq.seq_id)
@@ -498,15 +485,8 @@ class LLMEngine:
         whole = group.beam is not None
         if whole:
             group.seqs = self._beam_results(group)
-        deltas = []
-        for seq in group.seqs:
-            deltas.append(RequestDelta(
-                request_id=group.request_id, index=seq.index, text=seq.output_text if whole else "",
-                token_ids=list(seq.output_token_ids) if whole else [], finished=True,
-                finish_reason=seq.finish_reason or "abort", logprobs=None,
-                prompt_tokens=group.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
-                cached_tokens=group.num_cached_tokens, stop_reason=seq.stop_reason,
-            ))
+        deltas = [_delta(group, seq, seq.output_text if whole else "", list(seq.output_token_ids) if whole else [],
+                         seq.finish_reason or "abort") for seq in group.seqs]
         deltas[-1].request_finished = True
         return deltas
 
@@ -550,13 +530,9 @@ class LLMEngine:
                 state.append("cached")
             else:
                 state.append("free")
-        requests: dict[str, list[int]] = {}
-        for group in self.scheduler.running:
-            blocks: dict[int, None] = {}
-            for seq in group.seqs:
-                for b in self.block_manager.block_table(seq):
-                    blocks[b] = None
-            requests[group.request_id] = list(blocks)
+        requests = {group.request_id: list(dict.fromkeys(b for seq in group.seqs
+                                                         for b in self.block_manager.block_table(seq)))
+                    for group in self.scheduler.running}
         return KVSnapshot(
             block_size=self.block_manager.block_size, num_blocks=pool.num_blocks, state=state,
             refcounts=[b.ref_count for b in pool.blocks],
@@ -566,24 +542,23 @@ class LLMEngine:
     # -- output helpers ---------------------------------------------------------------------------
     @staticmethod
     def request_output(group: SequenceGroup) -> RequestOutput:
-        outputs = [
-            CompletionOutput(
-                index=seq.index, text=seq.output_text, token_ids=list(seq.output_token_ids),
-                finish_reason=seq.finish_reason, logprobs=list(seq.output_logprobs) or None,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in sorted(group.seqs, key=lambda s: s.index)
-        ]
-        metrics = {"arrival_time": group.arrival_time}
-        if group.first_token_time is not None:
-            metrics["first_token_time"] = group.first_token_time
-        if group.finished_time is not None:
-            metrics["finished_time"] = group.finished_time
-        return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-            outputs=outputs, finished=group.is_finished, num_cached_tokens=group.num_cached_tokens,
-            metrics=metrics,
-        )
+        outputs = [CompletionOutput(seq.index, seq.output_text, list(seq.output_token_ids), seq.finish_reason,
+                                    list(seq.output_logprobs) or None, seq.stop_reason)
+                   for seq in sorted(group.seqs, key=lambda s: s.index)]
+        times = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
+                 "finished_time": group.finished_time}
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished,
+                             group.num_cached_tokens, {k: t for k, t in times.items() if t is not None})
+
+
+def _delta(group: SequenceGroup, seq: Sequence, text: str, token_ids: list[int], finish_reason: str | None,
+           logprobs: list[dict[int, float]] | None = None) -> RequestDelta:
+    """A delta of ``seq`` (finished when it has a ``finish_reason``) with the request's token counts."""
+    return RequestDelta(
+        request_id=group.request_id, index=seq.index, text=text, token_ids=token_ids,
+        finished=finish_reason is not None, finish_reason=finish_reason, logprobs=logprobs,
+        prompt_tokens=group.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+        cached_tokens=group.num_cached_tokens, stop_reason=seq.stop_reason)
 
 
 __all__ = ["LLMEngine", "RequestOutput", "CompletionOutput"]

@@ -24,13 +24,10 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(
-        self,
-        prompts: str | Sequence[str] | None = None,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
         if isinstance(prompts, str):
             prompts = [prompts]
         if prompts is not None and prompt_token_ids is not None:
@@ -44,10 +41,8 @@ class LLM:
             raise ValueError("prompts or prompt_token_ids is required")
         params = self._params_list(sampling_params, len(items))
         # Validate everything before adding anything, so a bad request changes no state.
-        groups = [
-            self.engine.make_request(f"llm-{next(self._ids)}", p, prompt=text, prompt_token_ids=ids)
-            for (text, ids), p in zip(items, params, strict=True)
-        ]
+        groups = [self.engine.make_request(f"llm-{next(self._ids)}", p, prompt=text, prompt_token_ids=ids)
+                  for (text, ids), p in zip(items, params, strict=True)]
         for group in groups:
             self.engine.add_group(group)
         progress = None
@@ -63,12 +58,9 @@ class LLM:
             progress.close()
         return [LLMEngine.request_output(g) for g in groups]
 
-    def chat(
-        self,
-        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
-    ) -> list[RequestOutput]:
+    def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         conversations: list[list[dict[str, Any]]]
         if messages and isinstance(messages[0], dict):
             conversations = [list(messages)]  # type: ignore[arg-type]
@@ -81,9 +73,8 @@ class LLM:
         return self.engine.stats()
 
     @staticmethod
-    def _params_list(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
-    ) -> list[SamplingParams]:
+    def _params_list(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                     n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams() for _ in range(n)]
         if isinstance(sampling_params, SamplingParams):

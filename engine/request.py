@@ -186,23 +186,15 @@ class Sequence:
         return child
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-            f"finish={self.finish_reason})"
-        )
+        return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"finish={self.finish_reason})")
 
 
 class SequenceGroup:
     """A request: its sequences (one before the fork, ``n`` after), parameters and timings."""
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        arrival_time: float | None = None,
-        prompt: str | None = None,
-    ) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 arrival_time: float | None = None, prompt: str | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         self.request_id = request_id
@@ -217,10 +209,8 @@ class SequenceGroup:
         self.finished_time: float | None = None
         # Beam search state (scores, finished hypotheses); its beams are ``seqs`` until it finishes, then
         # ``seqs`` holds the ``n`` best hypotheses.
-        self.beam: BeamSearch | None = None
-        if sampling_params.use_beam_search:
-            self.beam = BeamSearch(sampling_params.beam_width, sampling_params.length_penalty,
-                                   sampling_params.early_stopping)
+        self.beam = BeamSearch(sampling_params.beam_width, sampling_params.length_penalty,
+                               sampling_params.early_stopping) if sampling_params.use_beam_search else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -256,15 +246,9 @@ class RequestLimits:
     max_model_len: int
 
 
-def make_request(
-    limits: RequestLimits,
-    encode: Callable[[str], list[int]],
-    request_id: str,
-    sampling_params: SamplingParams,
-    prompt: str | None = None,
-    prompt_token_ids: list[int] | None = None,
-    arrival_time: float | None = None,
-) -> SequenceGroup:
+def make_request(limits: RequestLimits, encode: Callable[[str], list[int]], request_id: str,
+                 sampling_params: SamplingParams, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                 arrival_time: float | None = None) -> SequenceGroup:
     """Validate a request and build its group; ValueError says what is wrong.
 
     One function for the engine and for clients of an engine in another process, so a request is
@@ -287,8 +271,6 @@ def make_request(
     if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_token_ids):
         raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
     if len(prompt_token_ids) >= limits.max_model_len:
-        raise ValueError(
-            f"prompt is {len(prompt_token_ids)} tokens; the context length (max_model_len) is "
-            f"{limits.max_model_len}, leaving no room for output"
-        )
+        raise ValueError(f"prompt is {len(prompt_token_ids)} tokens; the context length (max_model_len) is "
+                         f"{limits.max_model_len}, leaving no room for output")
     return SequenceGroup(request_id, prompt_token_ids, sampling_params, arrival_time=arrival_time, prompt=prompt)

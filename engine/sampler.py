@@ -59,9 +59,8 @@ class SamplerOutput:
     beam_candidates: list[tuple[list[int], list[float]] | None] = field(default_factory=list)
 
 
-def make_generator(
-    seed: int | None, index: int, device: str | torch.device = "cpu", skip: int = 0
-) -> torch.Generator | None:
+def make_generator(seed: int | None, index: int, device: str | torch.device = "cpu",
+                   skip: int = 0) -> torch.Generator | None:
     """A generator for sample ``index`` of a request with ``seed``; None when unseeded.
 
     Sample 0 uses the seed itself; other samples mix in the index so the ``n`` samples of one
@@ -101,10 +100,7 @@ def suppress_stop_tokens(logits: Tensor, batch: SamplingBatch) -> None:
     for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids, strict=True)):
         if len(out) >= p.min_tokens:
             continue
-        stops = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            stops |= batch.eos_token_ids
-        banned = [t for t in stops if 0 <= t < vocab]
+        banned = [t for t in end_tokens(batch.eos_token_ids, p.stop_token_ids, p.ignore_eos) if 0 <= t < vocab]
         if banned:
             logits[i, banned] = _MASK
 
@@ -151,9 +147,8 @@ def _token_keys(rows: list[int], token_ids: list[list[int]], vocab: int) -> Tens
     """``row * vocab + token`` for every token of the given rows (CPU, int64), out-of-range ids dropped."""
     lists = [token_ids[i] for i in rows]
     tokens = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
-    row_idx = torch.tensor(rows, dtype=torch.long).repeat_interleave(
-        torch.tensor([len(t) for t in lists], dtype=torch.long)
-    )
+    counts = torch.tensor([len(t) for t in lists], dtype=torch.long)
+    row_idx = torch.tensor(rows, dtype=torch.long).repeat_interleave(counts)
     valid = (tokens >= 0) & (tokens < vocab)
     return (row_idx * vocab + tokens)[valid]
 
@@ -212,13 +207,8 @@ class Sampler:
                          ) -> list[tuple[list[int], list[float]] | None]:
         """float32 log-softmax of each beam row's logits (after min_tokens and penalties, as sampling sees
         them), and its top ``num_candidates`` tokens."""
-        sub = SamplingBatch(
-            params=[batch.params[i] for i in rows],
-            prompt_token_ids=[batch.prompt_token_ids[i] for i in rows],
-            output_token_ids=[batch.output_token_ids[i] for i in rows],
-            generators=[None] * len(rows),
-            eos_token_ids=batch.eos_token_ids,
-        )
+        sub = SamplingBatch([batch.params[i] for i in rows], [batch.prompt_token_ids[i] for i in rows],
+                            [batch.output_token_ids[i] for i in rows], [None] * len(rows), batch.eos_token_ids)
         x = _take(logits, rows).float().clone()
         suppress_stop_tokens(x, sub)
         apply_penalties(x, sub)
@@ -259,12 +249,10 @@ class Sampler:
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if greedy_rows:
-            picked = self.argmax(_take(processed, greedy_rows)).tolist()
-            for i, tok in zip(greedy_rows, picked, strict=True):
+            for i, tok in zip(greedy_rows, self.argmax(_take(processed, greedy_rows)).tolist(), strict=True):
                 token_ids[i] = tok
         if random_rows:
-            picked = self._sample(processed, random_rows, batch)
-            for i, tok in zip(random_rows, picked, strict=True):
+            for i, tok in zip(random_rows, self._sample(processed, random_rows, batch), strict=True):
                 token_ids[i] = tok
         return SamplerOutput(token_ids, self._gather_logprobs(logits, token_ids, logprobs))
 
@@ -302,16 +290,8 @@ class Sampler:
             w.masked_fill_(w < min_p, 0.0)
         return _inverse_cdf(w, u)
 
-    def _sample_head(
-        self,
-        x: Tensor,
-        temps: Tensor,
-        min_p: Tensor,
-        u: Tensor,
-        top_k: list[int],
-        top_p: list[float],
-        width: int | None = None,
-    ) -> Tensor:
+    def _sample_head(self, x: Tensor, temps: Tensor, min_p: Tensor, u: Tensor, top_k: list[int], top_p: list[float],
+                     width: int | None = None) -> Tensor:
         """Top-k, then top-p over what is left, then min-p, among the ``width`` most likely tokens."""
         device = x.device
         vocab = x.shape[1]
@@ -346,21 +326,13 @@ class Sampler:
             if bool(short.any()):
                 rows = short.nonzero().squeeze(1)
                 sel = rows.tolist()
-                tokens[rows] = self._sample_head(
-                    x[rows],
-                    temps[rows],
-                    min_p[rows],
-                    u[rows],
-                    [0] * len(sel),
-                    [top_p[r] for r in sel],
-                    min(vocab, width * 8),
-                )
+                tokens[rows] = self._sample_head(x[rows], temps[rows], min_p[rows], u[rows], [0] * len(sel),
+                                                 [top_p[r] for r in sel], min(vocab, width * 8))
         return tokens
 
     @staticmethod
-    def _gather_logprobs(
-        logits: Tensor, token_ids: list[int], wanted: list[int | None]
-    ) -> list[dict[int, float] | None]:
+    def _gather_logprobs(logits: Tensor, token_ids: list[int], wanted: list[int | None]
+                         ) -> list[dict[int, float] | None]:
         rows = [i for i, n in enumerate(wanted) if n is not None]
         result: list[dict[int, float] | None] = [None] * len(wanted)
         if not rows:
