@@ -28,6 +28,7 @@ every rank raises alike (a bad input) keeps the ranks in step: the workers skip 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import traceback
@@ -42,7 +43,6 @@ from torch import Tensor
 
 from engine.config import CacheConfig, EngineConfig
 from engine.loader import load_model
-from engine.model import ModelConfig
 from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import CollectiveError, TensorParallel
 from engine.plan import PlannedSeq, ScheduledSeq, SchedulerOutput, StepSeq
@@ -64,8 +64,6 @@ log = logging.getLogger("chatsvc.engine")
 _JOIN_TIMEOUT_S = 10.0
 _EXIT_WAIT_S = 0.5
 
-BlockMoves = tuple[tuple[int, int], ...]
-
 
 # ---- messages (rank 0 -> workers) ----------------------------------------------------------------
 
@@ -83,14 +81,7 @@ class StepPlan:
 
     seqs: tuple[PlannedSeq, ...] = ()
     freed: tuple[int, ...] = ()
-    blocks_to_swap_out: BlockMoves = ()
-    blocks_to_swap_in: BlockMoves = ()
-    blocks_to_copy: BlockMoves = ()
-
-    @property
-    def moves(self) -> SchedulerOutput:
-        return SchedulerOutput(blocks_to_swap_out=self.blocks_to_swap_out, blocks_to_swap_in=self.blocks_to_swap_in,
-                               blocks_to_copy=self.blocks_to_copy)
+    moves: SchedulerOutput = SchedulerOutput()  # its block moves only: no requests travel
 
 
 @dataclass(frozen=True)
@@ -115,6 +106,10 @@ class RankTables:
     tables: dict[int, list[int]] = field(default_factory=dict)
     kv_cache_shape: tuple[int, ...] = ()
     cpu_cache_shape: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, rank: int, runner: ModelRunner) -> RankTables:
+        return cls(rank, kv_cache_shape=tuple(runner.kv_cache.shape), cpu_cache_shape=tuple(runner.cpu_cache.shape))
 
     def update(self, items: Sequence[StepSeq]) -> None:
         for item in items:
@@ -155,10 +150,15 @@ def rank_zero(config: EngineConfig) -> TensorParallel:
             f"this process is rank {rank} of {os.environ['WORLD_SIZE']} started by a launcher (RANK is set): an "
             "engine runs on rank 0 only, the other ranks serve its steps. Run the script through the rank entry "
             "module (torchrun ... -m engine.tp_rank script.py), or run chatsvc serve on every rank")
-    if rank == 0 and int(os.environ["WORLD_SIZE"]) != size:
+    if rank == 0:
+        _check_launcher_size(size)
+    return TensorParallel(0, size)
+
+
+def _check_launcher_size(size: int) -> None:
+    if int(os.environ["WORLD_SIZE"]) != size:
         raise ValueError(f"tensor_parallel_size {size} differs from the launcher's WORLD_SIZE "
                          f"{os.environ['WORLD_SIZE']}")
-    return TensorParallel(0, size)
 
 
 class _Ranks:
@@ -170,11 +170,6 @@ class _Ranks:
         self.procs = procs
         self.failed: str | None = None
         self.closed = False
-
-    @classmethod
-    def start(cls, config: EngineConfig) -> _Ranks:
-        group, procs = start_group(config.tensor_parallel_size, config.device)
-        return cls(config.tensor_parallel_size, group, procs)
 
     def dead_rank(self) -> str | None:
         """Why the first started rank that has exited is gone, else None."""
@@ -199,10 +194,11 @@ class _Ranks:
         except Exception as exc:
             raise self.fail(exc) from exc
 
-    def gather(self, answer: Any) -> list[Any]:
+    def gather(self) -> list[Any]:
+        """Every worker's answer (rank 0's own is None)."""
         answers: list[Any] = [None] * self.size
         try:
-            dist.gather_object(answer, answers, dst=0, group=self.plan_group)
+            dist.gather_object(None, answers, dst=0, group=self.plan_group)
         except Exception as exc:
             raise self.fail(exc) from exc
         return answers
@@ -225,12 +221,11 @@ class DriverRunner(ModelRunner):
     """Rank 0's runner: runs its own shard as ``ModelRunner`` does, and before each forward pass sends the
     other ranks the step's plan (the block moves executed since the last one included)."""
 
-    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, backend: AttentionBackend, cache: CacheConfig,
-                 dtype: torch.dtype, device: torch.device, ranks: _Ranks) -> None:
-        super().__init__(model, config, backend, cache, dtype, device)
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig, dtype: torch.dtype,
+                 device: torch.device, ranks: _Ranks) -> None:
+        super().__init__(model, backend, cache, dtype, device)
         self.ranks = ranks
-        self.mirror = RankTables(0, kv_cache_shape=tuple(self.kv_cache.shape),
-                                 cpu_cache_shape=tuple(self.cpu_cache.shape))
+        self.mirror = RankTables.of(0, self)
         self._moves: list[SchedulerOutput] = []
         self._freed: list[int] = []
         self._finalizer = weakref.finalize(self, ranks.close)
@@ -239,13 +234,13 @@ class DriverRunner(ModelRunner):
     def start(cls, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig, dtype: torch.dtype,
               config: EngineConfig) -> DriverRunner:
         """Start (or join) the other ranks, have them load their shards and allocate their caches."""
-        ranks = _Ranks.start(config)
+        ranks = _Ranks(config.tensor_parallel_size, *start_group(config.tensor_parallel_size, config.device))
         try:
             ranks.send(Setup(config, dtype, cache))
-            errors = [e for e in ranks.gather(None)[1:] if e is not None]
+            errors = [e for e in ranks.gather()[1:] if e is not None]
             if errors:
                 raise RankDiedError(f"a tensor-parallel rank could not start: {errors[0]}")
-            return cls(model, model.layer_config, backend, cache, dtype, torch.device(config.device), ranks)
+            return cls(model, backend, cache, dtype, torch.device(config.device), ranks)
         except BaseException:
             ranks.close()
             raise
@@ -257,7 +252,7 @@ class DriverRunner(ModelRunner):
     def execute_block_plans(self, out: SchedulerOutput) -> None:
         super().execute_block_plans(out)
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
-            self._moves.append(out)
+            self._moves.append(dataclasses.replace(out, scheduled=(), preempted=(), ignored=()))
 
     def free_seq(self, seq_id: int) -> None:
         super().free_seq(seq_id)
@@ -268,10 +263,7 @@ class DriverRunner(ModelRunner):
         when an earlier step's moves never reached a forward pass)."""
         moves = self._moves or [SchedulerOutput()]
         for i, m in enumerate(moves):
-            self.ranks.send(StepPlan(
-                seqs=seqs if i == len(moves) - 1 else (), freed=tuple(self._freed) if i == 0 else (),
-                blocks_to_swap_out=m.blocks_to_swap_out, blocks_to_swap_in=m.blocks_to_swap_in,
-                blocks_to_copy=m.blocks_to_copy))
+            self.ranks.send(StepPlan(seqs if i == len(moves) - 1 else (), tuple(self._freed) if i == 0 else (), m))
         self.mirror.free(self._freed)
         self._moves, self._freed = [], []
 
@@ -294,7 +286,7 @@ class DriverRunner(ModelRunner):
         if self._moves or self._freed:
             self._send_plan(())
         self.ranks.send(GatherTables())
-        answers: list[RankTables] = self.ranks.gather(None)
+        answers: list[RankTables] = self.ranks.gather()
         return [self.mirror, *answers[1:]]
 
 
@@ -302,7 +294,7 @@ def make_runner(model: LlamaForCausalLM, backend: AttentionBackend, cache: Cache
                 config: EngineConfig) -> ModelRunner:
     """The engine's runner: ``ModelRunner`` alone, or rank 0's ``DriverRunner`` under tensor parallelism."""
     if config.tensor_parallel_size == 1:
-        return ModelRunner(model, model.layer_config, backend, cache, dtype, torch.device(config.device))
+        return ModelRunner(model, backend, cache, dtype, torch.device(config.device))
     return DriverRunner.start(model, backend, cache, dtype, config)
 
 
@@ -316,9 +308,8 @@ def serve_launched_rank(config: EngineConfig | None = None) -> None:
     rank = launched_rank()
     if rank is None or rank == 0:
         raise ValueError("serve_launched_rank runs on a launched rank other than 0")
-    if config is not None and int(os.environ["WORLD_SIZE"]) != config.tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} differs from the launcher's "
-                         f"WORLD_SIZE {os.environ['WORLD_SIZE']}")
+    if config is not None:
+        _check_launcher_size(config.tensor_parallel_size)
     _serve(*join_group())
 
 
@@ -358,13 +349,11 @@ def _load_rank(rank: int, size: int, setup: Setup) -> ModelRunner:
     backend = get_backend(config.attention_backend, device)
     loaded = load_model(config.model, setup.dtype, device, backend, config.linear_backend,
                         tp=TensorParallel(rank, size), quantization=config.quantization)
-    return ModelRunner(loaded.model, loaded.model.layer_config, backend, setup.cache, setup.dtype,
-                       torch.device(device))
+    return ModelRunner(loaded.model, backend, setup.cache, setup.dtype, torch.device(device))
 
 
 def _loop(runner: ModelRunner, rank: int, group: dist.ProcessGroup) -> None:
-    mirror = RankTables(rank, kv_cache_shape=tuple(runner.kv_cache.shape),
-                        cpu_cache_shape=tuple(runner.cpu_cache.shape))
+    mirror = RankTables.of(rank, runner)
     while True:
         message = _receive(group)
         match message:

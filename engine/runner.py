@@ -125,17 +125,11 @@ class ModelInput(Generic[S]):
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaForCausalLM,
-        config: ModelConfig,
-        backend: AttentionBackend,
-        cache: CacheConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """``model``: this rank's whole model or shard; its ``layer_config`` shapes the KV cache."""
         self.model = model
-        self.config = config
+        self.config = config = model.layer_config
         self.backend = backend
         self.block_size = block_size = cache.block_size
         self.device = device

@@ -38,6 +38,7 @@ from torch.distributed.rendezvous import rendezvous
 from engine.protocol import EngineDeadError
 
 COLLECTIVE_TIMEOUT_S = 120.0
+_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
 PLAN_TIMEOUT = datetime.timedelta(days=3650)
 # Set for the ranks rank 0 starts itself (torchrun's are not): their rendezvous store is already up.
 SPAWNED_ENV = "CHATSVC_TP_SPAWNED"
@@ -73,7 +74,7 @@ def init_groups(store: Store, rank: int, size: int, device: str) -> dist.Process
     """Join the default group (the model's collectives) and the plans' gloo group, which is returned."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=PrefixStore("default_pg", store), rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=_COLLECTIVE_TIMEOUT)
     group: dist.ProcessGroup | None = dist.new_group(backend="gloo", timeout=PLAN_TIMEOUT)
     assert group is not None, "every rank is a member"
     return group
@@ -166,11 +167,10 @@ def start_group(size: int, device: str) -> tuple[dist.ProcessGroup, list[RankPro
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine already runs in this process (one process group each)")
     if launched_rank() is not None:
-        store, _, _ = _env_store(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        store, _, _ = _env_store(_COLLECTIVE_TIMEOUT)
         store.set(_DEVICE_KEY, device)
         return init_groups(store, 0, size, rank_device(device, 0)), []
-    store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=_COLLECTIVE_TIMEOUT)
     store.set(_DEVICE_KEY, device)
     procs: list[RankProcess] = []
     try:
@@ -195,10 +195,10 @@ def join_group() -> tuple[int, int, dist.ProcessGroup]:
     device. Returns (rank, size, the plans' group)."""
     # torchrun's workers may start long before rank 0 has loaded its model and published its device.
     spawned = os.environ.get(SPAWNED_ENV) == "1"
-    store, rank, size = _env_store(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S) if spawned else PLAN_TIMEOUT)
+    store, rank, size = _env_store(_COLLECTIVE_TIMEOUT if spawned else PLAN_TIMEOUT)
     store.add(_READY_KEY, 1)
     device = store.get(_DEVICE_KEY).decode()
-    store.set_timeout(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store.set_timeout(_COLLECTIVE_TIMEOUT)
     return rank, size, init_groups(store, rank, size, rank_device(device, rank))
 
 
