@@ -69,18 +69,17 @@ class Offload:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
+    async def _tokenize(self, chars: int, param: str, ids: Callable[[], list[int]]) -> list[int]:
+        self.check_fits(chars, param)
+        return ids() if chars <= INLINE_CHARS else await self.run(ids)
+
     async def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        chars = sum(len(m["content"]) for m in messages)
-        self.check_fits(chars, "messages")
-        if chars <= INLINE_CHARS:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        return await self.run(lambda: list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+        return await self._tokenize(sum(len(m["content"]) for m in messages), "messages", lambda: list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
 
     async def encode(self, text: str) -> list[int]:
-        self.check_fits(len(text), "prompt")
-        if len(text) <= INLINE_CHARS:
-            return list(self.tokenizer.encode(text, add_special_tokens=True))
-        return await self.run(lambda: list(self.tokenizer.encode(text, add_special_tokens=True)))
+        return await self._tokenize(len(text), "prompt",
+                                    lambda: list(self.tokenizer.encode(text, add_special_tokens=True)))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,7 @@ from starlette.routing import Route
 
 from chatsvc.context import gateway, parse, read_json
 from chatsvc.errors import APIError
+from chatsvc.personas import SHARED, pin_key
 from chatsvc.schemas import PersonaBody
 
 PERSONA_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -34,8 +35,8 @@ async def persona(request: Request) -> Response:
         if found is None:
             raise APIError(404, f"persona {name!r} not found", code="persona_not_found")
         scope, body = found
-        key = gw.personas.key_for(owner, name, scope)
-        return JSONResponse({"name": name, **body, "scope": "shared" if scope == "shared" else "own",
+        key = pin_key(name) if scope == SHARED else pin_key(name, owner)
+        return JSONResponse({"name": name, **body, "scope": SHARED if scope == SHARED else "own",
                              "pinned_tokens": gw.personas.pinned.get(key, 0)})
     if request.method == "DELETE":
         if not await gw.personas.delete(owner, admin, name):

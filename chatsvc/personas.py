@@ -151,9 +151,6 @@ class Personas:
             return True
         return False
 
-    def key_for(self, owner: str, name: str, scope: str) -> str:
-        return pin_key(name) if scope == SHARED else pin_key(name, owner)
-
     def session_pin_key(self, owner: str, name: str) -> str:
         """The pin a session of ``owner`` with persona ``name`` uses (their own persona shadows a shared one)."""
         own = pin_key(name, owner)

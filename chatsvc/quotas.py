@@ -31,11 +31,11 @@ class Quotas:
         self.sockets: Counter[str] = Counter()
         self.sessions: defaultdict[str, deque[float]] = defaultdict(deque)
 
-    def _limited(self, quota: str, what: str, limit: int, retry_after: int) -> APIError:
+    def _limited(self, quota: str, what: str, limit: int, retry_after: int | None = None) -> APIError:
         if self.metrics is not None:
             self.metrics.quota_refused.labels(quota).inc()
         return APIError(429, f"{what} (at most {limit} per key); retry later", code="quota_exceeded",
-                        headers={"Retry-After": str(retry_after)})
+                        headers={"Retry-After": str(retry_after or self.settings.retry_after_s)})
 
     def applies(self, owner: str) -> bool:
         return owner != ANON
@@ -44,7 +44,7 @@ class Quotas:
         """Refuse a new generation when ``owner`` already runs its quota (OpenAI requests plus session turns)."""
         limit = self.settings.max_streams_per_key
         if self.applies(owner) and self.streams[owner] + session_turns >= limit:
-            raise self._limited("streams", "too many concurrent generations", limit, self.settings.retry_after_s)
+            raise self._limited("streams", "too many concurrent generations", limit)
 
     def start_stream(self, owner: str, session_turns: int = 0) -> None:
         self.check_stream(owner, session_turns)
@@ -65,8 +65,7 @@ class Quotas:
         first token): past the key's share, 429 before anything is queued."""
         limit = self.waiting_limit() if self.applies(owner) else None
         if limit is not None and self.waiting[owner] >= limit:
-            raise self._limited("waiting", "too many requests waiting for the engine", limit,
-                                self.settings.retry_after_s)
+            raise self._limited("waiting", "too many requests waiting for the engine", limit)
         self.waiting[owner] += 1
         try:
             yield
@@ -78,7 +77,7 @@ class Quotas:
         and a send loop; one key could otherwise attach thousands to one cheap reply)."""
         limit = self.settings.max_readers_per_reply
         if at is not None and at.readers >= limit:
-            raise self._limited("readers", "too many readers of this reply", limit, self.settings.retry_after_s)
+            raise self._limited("readers", "too many readers of this reply", limit)
 
     def new_session(self, owner: str) -> None:
         if not self.applies(owner):
@@ -95,7 +94,7 @@ class Quotas:
     def open_socket(self, owner: str) -> None:
         limit = self.settings.max_sockets_per_key
         if self.applies(owner) and self.sockets[owner] >= limit:
-            raise self._limited("sockets", "too many open WebSockets", limit, self.settings.retry_after_s)
+            raise self._limited("sockets", "too many open WebSockets", limit)
         self.sockets[owner] += 1
 
     def close_socket(self, owner: str) -> None:

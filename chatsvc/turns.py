@@ -99,7 +99,6 @@ class ActiveTurn:
     session_id: str
     turn: int
     request_id: str
-    persona: str
     truncated_turns: int = 0  # oldest turns left out of the prompt to fit the context
     owner: str = ""  # whose session: /v1/kv names only the caller's own requests
     readers: int = 1
@@ -108,7 +107,6 @@ class ActiveTurn:
     # A task cancelled before its first step never runs its cleanup, so aborts before that set a flag.
     running: bool = False
     abort_requested: bool = False
-    started: float = field(default_factory=time.time)
     # Stored events in stream order, (stream id, event, its JSON): what local readers follow.
     log: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as the log grows
@@ -208,8 +206,7 @@ class TurnRegistry:
             raise session_not_found(meta.id) from exc
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
-        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", meta.persona, truncated_turns=truncated,
-                        owner=meta.owner)
+        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", truncated_turns=truncated, owner=meta.owner)
         gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s,
                          session_id=meta.id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -307,8 +304,7 @@ class TurnRegistry:
         """Generate the rest of a turn whose gateway died (its lock is ours now), as :meth:`_run` would have."""
         assert isinstance(self.engine, Adoptable)
         meta = await self.store.meta_of(sid)
-        at = ActiveTurn(sid, turn, f"{sid}-{turn}", meta.persona if meta else "", owner=meta.owner if meta else "",
-                        readers=0)
+        at = ActiveTurn(sid, turn, f"{sid}-{turn}", owner=meta.owner if meta else "", readers=0)
         after = "0"
         while events := await self.store.read_events_json(sid, turn, after, block_ms=0):
             at.log.extend(events)  # local readers follow the whole reply from this log

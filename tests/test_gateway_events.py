@@ -102,7 +102,7 @@ async def collect(reg: TurnRegistry, sid: str, turn: int, after: str) -> list[tu
 async def test_readers_resuming_mid_stream_see_no_gap_or_duplicate(store: CountingStore) -> None:
     reg = registry(store)
     sid, turn = "s-resume", 2
-    at = ActiveTurn(sid, turn, f"{sid}-{turn}", "assistant")
+    at = ActiveTurn(sid, turn, f"{sid}-{turn}")
     reg.active[sid] = at
     key = stream_key(sid, turn)
     early = asyncio.create_task(collect(reg, sid, turn, "0"))  # attached before the first event
@@ -151,7 +151,7 @@ async def _tail_until(reg: TurnRegistry, sid: str, turn: int, after: str,
 async def test_a_turn_that_ends_without_its_final_event_falls_back_to_redis(store: CountingStore) -> None:
     reg = registry(store)
     sid, turn = "s-cut", 1
-    at = ActiveTurn(sid, turn, f"{sid}-{turn}", "assistant")
+    at = ActiveTurn(sid, turn, f"{sid}-{turn}")
     reg.active[sid] = at
     key = stream_key(sid, turn)
     ev = {"type": "delta", "text": "partial", "tokens": 1}

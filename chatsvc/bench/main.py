@@ -20,7 +20,7 @@ from chatsvc.bench import dataset
 from chatsvc.bench.clients import BenchError, Client, ClientConfig, classify_error
 from chatsvc.bench.load import LoadConfig, run_load
 from chatsvc.bench.metrics import RequestRecord, parse_slo, summarize
-from chatsvc.bench.report import print_summary, sweep_table, write_json
+from chatsvc.bench.report import summary_table, sweep_table, write_json
 
 
 @dataclass
@@ -193,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
                         "client_cpu_s": round(client_cpu, 3)})
         runs.append(summary)
         if args.sweep_rates is None:
-            print_summary(summary, out, title=f"chatsvc bench: {label} ({args.mode})")
+            out.print(summary_table(summary, f"chatsvc bench: {label} ({args.mode})"))
         if args.plot and args.sweep_rates is None and len(urls) == 1:
             from chatsvc.bench.plot import plot_run
 

@@ -14,8 +14,6 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-TOKEN_SOURCES = ("usage", "tokenizer", "deltas")
-
 
 @dataclass
 class RequestRecord:
@@ -31,7 +29,7 @@ class RequestRecord:
     output_tokens: int | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
-    token_source: str | None = None  # one of TOKEN_SOURCES once counted
+    token_source: str | None = None  # "usage", "tokenizer" or "deltas" once counted
     finish_reason: str | None = None
     error: str | None = None  # error kind ("http_503", "timeout", ...) or None on success
     error_detail: str = ""

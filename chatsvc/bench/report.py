@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
@@ -63,10 +62,6 @@ def sweep_table(points: list[dict[str, Any]]) -> Table:
             str(sum(p["errors"].values())),
         )
     return t
-
-
-def print_summary(s: dict[str, Any], console: Console | None = None, title: str = "chatsvc bench") -> None:
-    (console or Console()).print(summary_table(s, title))
 
 
 def write_json(path: str | Path, obj: Any) -> None:
