@@ -63,7 +63,6 @@ class AsyncEngine(CoreClient):
         log.info("engine thread: %s; %s", self.info.model_name, self.info.runtime_summary)
         self._channel: _ThreadChannel | None = None
         self._thread: threading.Thread | None = None
-        self._state = "loaded"
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, fault_request_prefix: str | None = None,
@@ -76,10 +75,6 @@ class AsyncEngine(CoreClient):
         """Keyword form: the settings are ``EngineConfig``'s fields."""
         return cls.from_config(EngineConfig(model=model, **settings), fault_request_prefix=fault_request_prefix,
                                stream_limits=stream_limits)
-
-    @property
-    def state(self) -> str:
-        return self._state
 
     async def start(self) -> None:
         if self._thread is not None:

@@ -89,7 +89,6 @@ class ProcessEngine(CoreClient):
         self._deaths: collections.deque[float] = collections.deque()
         self._reader: threading.Thread | None = None
         self._restart_task: asyncio.Task[None] | None = None
-        self._state = "loaded"  # -> running <-> restarting, -> failed, -> stopped
         self._stopping = False
         self._conn, self._proc = conn, proc
         self._log_child(info)
@@ -104,10 +103,6 @@ class ProcessEngine(CoreClient):
     @property
     def pid(self) -> int:
         return self.info.pid
-
-    @property
-    def state(self) -> str:
-        return self._state
 
     # -- the child --------------------------------------------------------------------------------
     def _launch(self, meanwhile: Callable[[], object] = lambda: None,

@@ -45,7 +45,7 @@ __all__ = ["CoreClient"]
 
 class CoreClient(EngineClient):
     """Subclasses call ``_install`` with the core's ``EngineInfo``, route its outputs to ``_on_output`` on the
-    event loop, call ``_fail_open`` when the core is gone, and implement ``_send`` and ``state``."""
+    event loop, call ``_fail_open`` when the core is gone, implement ``_send`` and keep ``_state``."""
 
     def __init__(self, tokenizer: Tokenizer, info: EngineInfo, stream_limits: StreamLimits | None) -> None:
         self.tokenizer = tokenizer
@@ -60,6 +60,7 @@ class CoreClient(EngineClient):
         self._pin_ids = itertools.count()
         self._pins: dict[str, list[int]] = {}  # replayed into a replacement core
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._state = "loaded"  # -> running (<-> restarting: a process engine), -> failed, -> stopped
         self._install(info)
 
     def _install(self, info: EngineInfo) -> None:
@@ -80,7 +81,7 @@ class CoreClient(EngineClient):
     @property
     def state(self) -> str:
         """loaded (not started yet), running, restarting, failed or stopped."""
-        raise NotImplementedError
+        return self._state
 
     @property
     def is_running(self) -> bool:
