@@ -61,7 +61,7 @@ import secrets
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -236,9 +236,7 @@ class RemoteEngine(EngineClient):
         if live:
             self.max_model_len = min(b.max_model_len for b in live.values())
             self.model_name = next(iter(live.values())).model_name
-        for wid in list(self._pinning):
-            if wid not in live:
-                del self._pinning[wid]
+        self._pinning = {wid: keys for wid, keys in self._pinning.items() if wid in live}
 
     async def _bury(self, wid: str) -> None:
         log.warning("engine worker %s stopped beating: removing it", wid)
@@ -524,18 +522,9 @@ class RemoteEngine(EngineClient):
 
     def unpin_prefix(self, key: str) -> None:
         self._pins.pop(key, None)
-        workers = list(self.workers)
         for pinning in self._pinning.values():
             pinning.discard(key)
-
-        async def unpin() -> None:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.hdel(self.keys.pins, key)
-            for wid in workers:
-                pipe.xadd(self.keys.control(wid), encode(Unpin(key)))
-            await pipe.execute()
-
-        task = self._spawn(unpin())
+        task = self._tell_workers(Unpin(key), lambda pipe: pipe.hdel(self.keys.pins, key))
         self._unpinning[key] = task
         task.add_done_callback(lambda t: self._unpinning.pop(key, None) if self._unpinning.get(key) is t else None)
 
@@ -562,32 +551,34 @@ class RemoteEngine(EngineClient):
         now = time.monotonic()
         if self._started and now - self._kv_asked > SNAPSHOT_WINDOW_S / 2:
             self._kv_asked = now
-            workers = list(self.workers)
-
-            async def ask() -> None:
-                pipe = self.r.pipeline(transaction=False)
-                for wid in workers:
-                    pipe.xadd(self.keys.control(wid), encode(WantSnapshot()))
-                await pipe.execute()
-
-            self._spawn(ask())
-        num_blocks, state, refcounts, cpu_used = 0, [], [], 0
-        requests: dict[str, list[int]] = {}
-        pins: dict[str, list[int]] = {}
-        pools: list[PoolView] = []
+            self._tell_workers(WantSnapshot())
+        merged = KVSnapshot(block_size=self._block_size())
+        offset = cpu_used = 0
         for wid in sorted(self._kv):
-            snap, offset = self._kv[wid], num_blocks
-            pools.append(PoolView(wid, offset, snap.num_blocks))
-            num_blocks += snap.num_blocks
-            state += snap.state
-            refcounts += snap.refcounts
-            cpu_used += snap.cpu_used
-            for rid, blocks in snap.requests.items():
-                requests[rid] = [offset + b for b in blocks]
+            snap = self._kv[wid]
+            merged.pools.append(PoolView(wid, offset, snap.num_blocks))
+            merged.state.extend(snap.state)
+            merged.refcounts.extend(snap.refcounts)
+            merged.requests.update({rid: [offset + b for b in blocks] for rid, blocks in snap.requests.items()})
             for key, blocks in snap.pins.items():
-                pins.setdefault(key, []).extend(offset + b for b in blocks)
-        return KVSnapshot(block_size=self._block_size(), num_blocks=num_blocks, state=state, refcounts=refcounts,
-                          cpu_used=cpu_used, requests=requests, pins=pins, pools=pools)
+                merged.pins.setdefault(key, []).extend(offset + b for b in blocks)
+            offset += snap.num_blocks
+            cpu_used += snap.cpu_used
+        return dataclasses.replace(merged, num_blocks=offset, cpu_used=cpu_used)
+
+    def _tell_workers(self, msg: Unpin | WantSnapshot, first: Callable[[Any], object] = lambda pipe: None,
+                      ) -> asyncio.Task[Any]:
+        """Send ``msg`` to every live worker's control stream, in one pipeline after ``first(pipe)``."""
+        workers = list(self.workers)
+
+        async def send() -> None:
+            pipe = self.r.pipeline(transaction=False)
+            first(pipe)
+            for wid in workers:
+                pipe.xadd(self.keys.control(wid), encode(msg))
+            await pipe.execute()
+
+        return self._spawn(send())
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

@@ -145,16 +145,13 @@ class Worker:
         await self._beat()
         log.info("worker %s serving %s (beat every %.2fs, ttl %.1fs)", self.id, self.engine.model_name,
                  self.ttl_s / 4, self.ttl_s)
-        fenced = asyncio.Event()
         reader = asyncio.create_task(self._read_requests(), name="worker-requests")
-        loops = [asyncio.create_task(c, name=n) for c, n in (
-            (self._read_control(), "worker-control"), (self.writer.run(), "worker-writer"),
-            (self._heartbeat(fenced), "worker-heartbeat"))]
+        heartbeat = asyncio.create_task(self._heartbeat(), name="worker-heartbeat")  # ends when fenced
+        loops = [asyncio.create_task(self._read_control(), name="worker-control"),
+                 asyncio.create_task(self.writer.run(), name="worker-writer"), heartbeat]
         waiter = asyncio.create_task(stop.wait())
-        fence_waiter = asyncio.create_task(fenced.wait())
-        await asyncio.wait([waiter, fence_waiter, reader], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([waiter, heartbeat, reader], return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
-        fence_waiter.cancel()
         reader.cancel()
         if self.fenced:
             serving = list(self._running.values())
@@ -223,7 +220,7 @@ class Worker:
             return True
         return result[-1] is not None
 
-    async def _heartbeat(self, fenced: asyncio.Event) -> None:
+    async def _heartbeat(self) -> None:
         while True:
             raise_if_cancelled()
             await asyncio.sleep(self.ttl_s / 4)
@@ -232,7 +229,6 @@ class Worker:
                     log.error("worker %s was declared dead (its beat lapsed); aborting its requests and exiting",
                               self.id)
                     self.fenced = True
-                    fenced.set()
                     return
             except RedisError as exc:
                 log.warning("heartbeat failed: %r", exc)
@@ -271,8 +267,8 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - refused: the gateway maps the kind to its answer
                 self.writer.put(out, RequestError.of(add.request_id, exc))
                 return
-            if msg.pin is not None:
-                self._ensure_pin(msg.pin)
+            if msg.pin is not None and msg.pin not in self.pins | self._pinning:  # pinned once, when first served
+                self._spawn(self._pin(msg.pin, None, None))
             try:
                 async for delta in stream:
                     self.writer.put(out, Deltas([delta]))
@@ -323,10 +319,6 @@ class Worker:
                 self._kv_until = time.monotonic() + SNAPSHOT_WINDOW_S
             case _:
                 raise ProtocolError(f"{type(msg).__name__} on a control stream")
-
-    def _ensure_pin(self, key: str) -> None:
-        if key not in self.pins and key not in self._pinning:
-            self._spawn(self._pin(key, None, None))
 
     async def _pin(self, key: str, token_ids: list[int] | None, reply: str | None) -> None:
         self._pinning.add(key)
