@@ -46,13 +46,8 @@ class IncrementalDetokenizer:
     decode of the output tokens alone, exactly what a non-streaming response returns.
     """
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        eos_token_ids: Iterable[int] | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 eos_token_ids: Iterable[int] | None = None) -> None:
         self._tokenizer: Decoder = tokenizer
         self._params = params
         self._skip_special = params.skip_special_tokens
@@ -119,15 +114,17 @@ class IncrementalDetokenizer:
         if self._stopped:
             return ""
         self._decode_window(force=True)
-        delta = self._text[self._emitted :]
-        self._emitted = len(self._text)
-        return delta
+        return self._rest()
 
     def _finish(self, stop_str: str | None = None, stop_token_id: int | None = None) -> DetokenizerStep:
         self._stopped = True
+        return DetokenizerStep(self._rest(), stopped=True, stop_str=stop_str, stop_token_id=stop_token_id)
+
+    def _rest(self) -> str:
+        """The text not returned yet, all of it, now returned."""
         delta = self._text[self._emitted :]
         self._emitted = len(self._text)
-        return DetokenizerStep(delta, stopped=True, stop_str=stop_str, stop_token_id=stop_token_id)
+        return delta
 
     def _decode_window(self, force: bool) -> None:
         """Append the text of tokens past ``read`` unless it ends mid-character (and not ``force``)."""

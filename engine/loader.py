@@ -90,10 +90,8 @@ def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():  # noqa: SIM118 (safe_open is not a dict)
                     yield name, st.get_tensor(name)
-        except (OSError, RuntimeError) as e:  # safetensors reports corrupt headers as its own error type
-            raise ValueError(f"cannot read weights from {f}: {e}") from e
-        except Exception as e:
-            if type(e).__name__ == "SafetensorError":
+        except Exception as e:  # safetensors reports corrupt headers as its own error type
+            if isinstance(e, OSError | RuntimeError) or type(e).__name__ == "SafetensorError":
                 raise ValueError(f"cannot read weights from {f}: {e}") from e
             raise
 

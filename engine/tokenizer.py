@@ -86,11 +86,7 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path, extra_eos_ids: Iterable[int] = ()) -> Tokenizer:
         try:
-            fast = _fast_tokenizer_class(Path(path))
-            if fast is not None:
-                hf = fast.from_pretrained(str(path))
-            else:
-                hf = transformers.AutoTokenizer.from_pretrained(str(path))
+            hf = (_fast_tokenizer_class(Path(path)) or transformers.AutoTokenizer).from_pretrained(str(path))
         except Exception as e:  # transformers raises several types for missing/corrupt files
             raise ValueError(f"cannot load tokenizer from {path}: {e}") from e
         if not isinstance(hf, PreTrainedTokenizerFast):

@@ -120,10 +120,10 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     # Imported here: the model modules import this one for ModelConfig.
     from engine.model.llama import LlamaForCausalLM
 
-    registry: dict[str, type[LlamaForCausalLM]] = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
-    if architecture not in registry:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(registry)}")
-    return registry[architecture]
+    if architecture not in SUPPORTED_ARCHITECTURES:  # every one of them is a LlamaForCausalLM
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return LlamaForCausalLM
 
 
 __all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES", "get_model_class", "resolve_architecture", "architecture_alias"]

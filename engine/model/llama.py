@@ -155,9 +155,7 @@ class LlamaModel(nn.Module):
                  dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, backend, device, dtype, tp) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, device, dtype, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
 
