@@ -43,10 +43,6 @@ STUCK_AFTER_S = 30.0  # no engine step for this long while requests run: not rea
 ENGINE_RETRY_AFTER_S = 5  # what a 503 for an unavailable engine tells clients to wait
 
 
-def default_web_dir() -> Path:
-    return Path(chatsvc.__file__).resolve().parent.parent / "web"
-
-
 async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
@@ -168,7 +164,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         *sessions.routes,
         *ws.routes,
     ]
-    web = settings.web_dir or default_web_dir()
+    web = settings.web_dir or Path(chatsvc.__file__).resolve().parent.parent / "web"
     if web.is_dir() and any(web.iterdir()):
         routes.append(Mount("/", StaticFiles(directory=web, html=True), name="web"))
     app = Starlette(

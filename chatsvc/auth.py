@@ -28,8 +28,6 @@ ANON = "anon"
 WS_KEY_PROTOCOL_PREFIX = "chatsvc.key."
 WS_PROTOCOL = "chatsvc"
 SECRET_RETRY_AFTER_S = 2
-
-
 TOKEN_PREFIX = "cst1."
 
 

@@ -25,8 +25,7 @@ async def issue_token(request: Request) -> JSONResponse:
                        code="auth_not_enabled")
     owner = gw.auth.check_key(bearer(request.headers), tokens=False)
     # The body is optional: a bare POST asks for the longest lifetime allowed.
-    empty = request.headers.get("content-length") in (None, "0") and "transfer-encoding" not in request.headers
-    req = TokenRequest() if empty else parse(TokenRequest, await read_json(request, 4096))
+    req = parse(TokenRequest, await read_json(request, 4096, optional=True))
     longest = gw.settings.access_token_ttl_s
     ttl = longest if req.ttl_s is None else req.ttl_s
     if ttl > longest:

@@ -54,8 +54,12 @@ def gateway(conn: HTTPConnection) -> Gateway:
     return conn.app.state.gateway  # type: ignore[no-any-return]
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The JSON body, read incrementally so an oversized body is refused without buffering it all."""
+async def read_json(request: Request, max_bytes: int, optional: bool = False) -> Any:
+    """The JSON body, read incrementally so an oversized body is refused without buffering it all;
+    ``optional``: a request without a body reads as ``{}``."""
+    headers = request.headers
+    if optional and headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers:
+        return {}
     # A browser may send a cross-site "simple" POST (text/plain, form types) without a preflight; JSON
     # routes that insist on application/json cannot be reached that way.
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()

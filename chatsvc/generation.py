@@ -20,7 +20,6 @@ class Generation:
                  prompt_token_ids: list[int], retry_after_s: int = 1, session_id: str | None = None) -> None:
         self.engine = engine
         self.session_id = session_id
-        self.metrics = metrics
         self.request_id = request_id
         self.params = params
         self.prompt_token_ids = prompt_token_ids
@@ -37,20 +36,16 @@ class Generation:
                                                   prompt_token_ids=self.prompt_token_ids, session_id=self.session_id))
             self._first = await anext(self._it)
         except StopAsyncIteration:
-            self._first = None
-            self.started = True
-        except ValueError as exc:
+            pass  # admitted, and already finished
+        except BaseException as exc:  # refused, cancelled or failed: the engine request must not outlive this
             await self.close()
-            raise APIError(400, str(exc), code="invalid_request") from exc
-        except QueueFullError as exc:
-            await self.close()
-            raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
-                           headers={"Retry-After": str(self.retry_after_s)}) from exc
-        except BaseException:  # cancelled or failed: the engine request must not outlive this
-            await self.close()
+            if isinstance(exc, ValueError):
+                raise APIError(400, str(exc), code="invalid_request") from exc
+            if isinstance(exc, QueueFullError):
+                raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
+                               headers={"Retry-After": str(self.retry_after_s)}) from exc
             raise
-        else:
-            self.started = True
+        self.started = True
 
     async def close(self) -> None:
         """Abort the request if it is still running (idempotent)."""

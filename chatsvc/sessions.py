@@ -25,15 +25,9 @@ async def sessions(request: Request) -> JSONResponse:
     if request.method == "GET":
         metas = await gw.store.list_sessions(owner)
         return JSONResponse({"object": "list", "data": [m.public() for m in metas]})
-    raw = await read_json(request, gw.settings.max_body_bytes) if await _has_body(request) else {}
-    req = parse(SessionCreate, raw)
+    req = parse(SessionCreate, await read_json(request, gw.settings.max_body_bytes, optional=True))
     meta = await ops.create_session(gw, owner, req.persona, req.title)
     return JSONResponse(await ops.session_view(gw, meta), status_code=201)
-
-
-async def _has_body(request: Request) -> bool:
-    return request.headers.get("content-length", "0") != "0" or "chunked" in request.headers.get(
-        "transfer-encoding", "")
 
 
 async def session(request: Request) -> JSONResponse:
