@@ -121,16 +121,14 @@ class RequestTimer:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
         self.start = time.monotonic()
-        self.first = True
         self.last: dict[int, float] = {}  # per sample index
 
     def on_tokens(self, index: int, n: int) -> None:
         if n <= 0:
             return
         now = time.monotonic()
-        if self.first:
+        if not self.last:  # the request's first tokens
             self.metrics.ttft.observe(now - self.start)
-            self.first = False
         if index in self.last:
             # Tokens of one delta arrived together; spread the gap over them.
             gap = (now - self.last[index]) / n

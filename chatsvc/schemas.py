@@ -172,9 +172,7 @@ class CompletionRequest(_OpenAIBase):
     @field_validator("prompt")
     @classmethod
     def _prompt_nonempty(cls, v: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(v, str) and not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and v and isinstance(v[0], str) and not v[0]:
+        if v == "" or (isinstance(v, list) and v and v[0] == ""):
             raise ValueError("prompt must not be empty")
         return v
 

@@ -85,10 +85,8 @@ class Connection:
         sid, persona = frame.get("session_id"), frame.get("persona")
         if sid is not None and not isinstance(sid, str) or persona is not None and not isinstance(persona, str):
             raise APIError(400, "session_id and persona must be strings", code="invalid_value")
-        if sid:
-            meta = await ops.load_session(self.gw, sid, self.owner)
-        else:
-            meta = await ops.create_session(self.gw, self.owner, persona)
+        meta = await (ops.load_session(self.gw, sid, self.owner) if sid
+                      else ops.create_session(self.gw, self.owner, persona))
         self._stop_pump(abort_now=False)
         self.meta = meta
         await self.send({"type": "session", **await ops.session_view(self.gw, meta)})

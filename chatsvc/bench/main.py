@@ -210,13 +210,9 @@ def main(args: argparse.Namespace) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("api_key", "func", "handler")}
     config = {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in config.items()}
     if args.json_path and runs:
-        report: dict[str, Any]
-        report = dict(runs[0]) if len(runs) == 1 and args.sweep_rates is None else {"runs": runs}
-        report["config"] = config
-        write_json(args.json_path, report)
+        single = len(runs) == 1 and args.sweep_rates is None
+        write_json(args.json_path, {**(runs[0] if single else {"runs": runs}), "config": config})
     if interrupted:
         err.print("[yellow]interrupted: reported what had finished[/yellow]")
         return 130
-    if any(r["completed"] == 0 and r["requests"] > 0 for r in runs):
-        return 1
-    return 0
+    return 1 if any(r["completed"] == 0 and r["requests"] > 0 for r in runs) else 0
