@@ -24,7 +24,6 @@ with the logs of the last crash still at hand.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import inspect
@@ -86,7 +85,7 @@ class ProcessEngine(CoreClient):
         tokenizer = loaded[0]
         tokenizer.eos_token_ids = info.eos_token_ids  # the engine's stop tokens are the ones that count
         super().__init__(tokenizer, info, stream_limits)
-        self._deaths: collections.deque[float] = collections.deque()
+        self._deaths: list[float] = []  # when the child died, within the last death window
         self._reader: threading.Thread | None = None
         self._restart_task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -239,9 +238,7 @@ class ProcessEngine(CoreClient):
         """Launch children until one is ready, pins replayed, or the death bound is reached."""
         while not self._stopping:
             now = time.monotonic()
-            self._deaths.append(now)
-            while self._deaths and now - self._deaths[0] > self._death_window_s:
-                self._deaths.popleft()
+            self._deaths = [t for t in self._deaths if now - t <= self._death_window_s] + [now]
             if len(self._deaths) >= self._max_deaths:
                 log.critical("engine process died %d times within %.0fs; not restarting it (state failed)",
                              len(self._deaths), self._death_window_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import glob
+import itertools
 import os
 from collections.abc import Iterator
 
@@ -25,16 +26,11 @@ def find_tcmalloc(dirs: tuple[str, ...] = TCMALLOC_DIRS) -> str | None:
     """Path of an installed tcmalloc (the minimal build first) in ``dirs``, else a soname the dynamic
     linker knows; None if there is none. The library is used when present, never installed."""
     names = ("tcmalloc_minimal", "tcmalloc")
-    for name in names:
-        for d in dirs:
-            found = sorted(glob.glob(os.path.join(d, f"lib{name}.so*")))
-            if found:
-                return found[0]
-    for name in names:
-        soname = ctypes.util.find_library(name)
-        if soname:
-            return soname
-    return None
+    for name, d in itertools.product(names, dirs):
+        found = sorted(glob.glob(os.path.join(d, f"lib{name}.so*")))
+        if found:
+            return found[0]
+    return next(filter(None, map(ctypes.util.find_library, names)), None)
 
 
 def allocator() -> str:
