@@ -80,12 +80,11 @@ def pin_key(name: str, owner: str | None = None) -> str:
 class Personas:
     """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
-    def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings | None = None,
-                 offload: Offload | None = None) -> None:
+    def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings, offload: Offload) -> None:
         self.engine = engine
         self.store = store
-        self.settings = settings or Settings()
-        self.offload = offload  # where a PUT's prompt is tokenized (off the event loop), when given
+        self.settings = settings
+        self.offload = offload  # where a PUT's prompt is tokenized (off the event loop)
         # pin key -> pinned tokens, least recently used first.
         self.pinned: OrderedDict[str, int] = OrderedDict()
 
@@ -115,7 +114,7 @@ class Personas:
         """Store and pin a persona (shared when written by an admin); (created, pinned tokens).
 
         Everything that can refuse it runs first, so a refused persona leaves nothing behind."""
-        ids = await self._prefix_ids(body["system_prompt"])
+        ids = await self.offload.run(system_prefix_ids, self.offload.tokenizer, body["system_prompt"])
         limit = self.engine.max_model_len
         if len(ids) >= limit:
             raise APIError(400, f"the persona's prompt is {len(ids)} tokens; the context is {limit}",
@@ -170,11 +169,6 @@ class Personas:
                 await self._pin(pin_key(name), ids)
             except Exception as exc:  # noqa: BLE001 - whatever is wrong with one persona, the rest are pinned
                 log.error("persona %r not pinned: %s", name, exc)
-
-    async def _prefix_ids(self, system_prompt: str) -> list[int]:
-        if self.offload is None:
-            return system_prefix_ids(self.engine.tokenizer, system_prompt)
-        return await self.offload.run(system_prefix_ids, self.offload.tokenizer, system_prompt)
 
     async def _pin(self, key: str, ids: list[int]) -> int:
         self._unpin(key)

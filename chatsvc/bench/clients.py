@@ -303,12 +303,8 @@ class WsSession:
         self.ws = await websockets.connect(
             ws_url(cfg.url), additional_headers=headers, open_timeout=cfg.connect_timeout_s, max_size=None
         )
-        hello: dict[str, Any] = {"type": "hello"}
-        if cfg.persona:
-            hello["persona"] = cfg.persona
-        if cfg.api_key:
-            hello["api_key"] = cfg.api_key
-        await self.ws.send(json.dumps(hello))
+        hello = {"type": "hello", "persona": cfg.persona, "api_key": cfg.api_key}
+        await self.ws.send(json.dumps({k: v for k, v in hello.items() if v}))
         while True:
             frame = json.loads(await self.ws.recv())
             if frame.get("type") == "error":

@@ -41,11 +41,8 @@ def _prompt_of(item: Any) -> str | None:
                     value = turn.get("value", turn.get("content"))
                     return value if isinstance(value, str) else None
             return None
-    for key in ("prompt", "text", "content"):
-        value = item.get(key)
-        if isinstance(value, str):
-            return value
-    return None
+    values = (item.get(key) for key in ("prompt", "text", "content"))
+    return next((value for value in values if isinstance(value, str)), None)
 
 
 def load_prompts(path: str | Path | None = None, max_chars: int | None = None) -> list[str]:
