@@ -559,7 +559,8 @@ class RemoteEngine(EngineClient):
             merged.pools.append(PoolView(wid, offset, snap.num_blocks))
             merged.state.extend(snap.state)
             merged.refcounts.extend(snap.refcounts)
-            merged.requests.update({rid: [offset + b for b in blocks] for rid, blocks in snap.requests.items()})
+            for rid, blocks in snap.requests.items():
+                merged.requests[rid] = [offset + b for b in blocks]
             for key, blocks in snap.pins.items():
                 merged.pins.setdefault(key, []).extend(offset + b for b in blocks)
             offset += snap.num_blocks

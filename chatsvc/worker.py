@@ -267,7 +267,7 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - refused: the gateway maps the kind to its answer
                 self.writer.put(out, RequestError.of(add.request_id, exc))
                 return
-            if msg.pin is not None and msg.pin not in self.pins | self._pinning:  # pinned once, when first served
+            if msg.pin is not None and msg.pin not in self.pins | self._pinning:  # pinned when first served
                 self._spawn(self._pin(msg.pin, None, None))
             try:
                 async for delta in stream:
