@@ -92,9 +92,8 @@ def _worker_metrics(s: EngineStats) -> Iterator[Metric]:
 
 class Metrics:
     def __init__(self, engine: EngineClient) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(EngineCollector(engine))
-        r = self.registry
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        r.register(EngineCollector(engine))
         self.ttft = Histogram("chatsvc_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("chatsvc_inter_token_latency_seconds", "Time between streamed tokens", registry=r,

@@ -86,17 +86,6 @@ async def _finish(gen: Generation, lease: _Lease) -> None:
         lease.release()
 
 
-def _check_logprob_volume(gw: Gateway, n: int, max_tokens: int, top: int | None, stream: bool) -> None:
-    """A non-streamed reply with logprobs is built and sent whole: cap its size up front."""
-    if stream or top is None:
-        return
-    entries = n * max_tokens * (1 + top)
-    if entries > gw.settings.max_logprob_entries:
-        raise APIError(400, f"n x max_tokens x (1 + top logprobs) = {entries} exceeds "
-                       f"{gw.settings.max_logprob_entries} for a non-streamed request; stream it or ask for less",
-                       code="invalid_value", param="max_tokens")
-
-
 @dataclass
 class _Collected:
     texts: dict[int, list[str]] = field(default_factory=dict)
@@ -164,7 +153,12 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
                     choice: Callable[[int, _Collected], dict[str, Any]], echo: str = "") -> Response:
     """Admit the generation under the caller's concurrency and waiting-queue quotas (429 past them), then
     stream its chunks or answer with the whole reply."""
-    _check_logprob_volume(gw, req.n, max_tokens, logprobs, req.stream)
+    # A non-streamed reply with logprobs is built and sent whole: cap its size up front.
+    entries = req.n * max_tokens * (1 + (logprobs or 0))
+    if not req.stream and logprobs is not None and entries > gw.settings.max_logprob_entries:
+        raise APIError(400, f"n x max_tokens x (1 + top logprobs) = {entries} exceeds "
+                       f"{gw.settings.max_logprob_entries} for a non-streamed request; stream it or ask for "
+                       "less", code="invalid_value", param="max_tokens")
     chat = isinstance(req, ChatCompletionRequest)
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     obj = "chat.completion" if chat else "text_completion"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import random
 import time
@@ -44,11 +45,7 @@ def arrival_offsets(n: int, rate: float, burstiness: float, seed: int) -> list[f
         raise ValueError("rate and burstiness must be > 0")
     rng = random.Random(seed)
     theta = 1.0 / (rate * burstiness)
-    t, out = 0.0, [0.0]
-    for _ in range(n - 1):
-        t += rng.gammavariate(burstiness, theta)
-        out.append(t)
-    return out
+    return [0.0, *itertools.accumulate(rng.gammavariate(burstiness, theta) for _ in range(n - 1))]
 
 
 async def run_load(
