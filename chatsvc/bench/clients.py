@@ -212,18 +212,18 @@ class Client:
     def url(self, path: str) -> str:
         return self.base + path
 
-    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
-        """A plain request: (status, body text)."""
+    async def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> str:
+        """A plain request's body text; a status of 300 or more raises ``BenchError("http_<status>")``."""
         async with self.http.request(method, self.url(path), json=body) as r:
-            return r.status, await r.text()
+            text = await r.text()
+        if r.status >= 300:
+            raise BenchError(f"http_{r.status}", f"{method} {path}: {text[:200]}")
+        return text
 
     async def prepare(self) -> None:
         """openai mode: the model name (first of /v1/models) unless given."""
         if self.cfg.mode == "openai" and not self.model:
-            status, text = await self.call("GET", "/v1/models")
-            if status != 200:
-                raise BenchError(f"http_{status}", f"GET /v1/models: {text[:200]}")
-            self.model = json.loads(text)["data"][0]["id"]
+            self.model = json.loads(await self.call("GET", "/v1/models"))["data"][0]["id"]
 
     def sampling(self) -> dict[str, Any]:
         body: dict[str, Any] = {"max_tokens": self.cfg.max_tokens, "temperature": self.cfg.temperature}
@@ -266,17 +266,11 @@ class SseSession:
         self.client = client
         self.id: str | None = None
 
-    async def _create(self) -> str:
-        body = {"persona": self.client.cfg.persona} if self.client.cfg.persona else {}
-        status, text = await self.client.call("POST", "/v1/sessions", body)
-        if status not in (200, 201):
-            raise BenchError(f"http_{status}", f"POST /v1/sessions: {text[:200]}")
-        return str(json.loads(text)["id"])
-
     async def send(self, content: str, rec: RequestRecord) -> None:
         if self.id is None:
             # Session creation is part of the first turn's latency, as a person would experience it.
-            self.id = await self._create()
+            persona = {"persona": self.client.cfg.persona} if self.client.cfg.persona else {}
+            self.id = str(json.loads(await self.client.call("POST", "/v1/sessions", persona))["id"])
         body = {"content": content, "stream": True, **self.client.sampling()}
         async with self.client.http.post(
             self.client.url(f"/v1/sessions/{self.id}/messages"), json=body, headers={"Accept": "text/event-stream"}
@@ -287,7 +281,7 @@ class SseSession:
     async def close(self) -> None:
         if self.id is not None:
             # Best effort: keep the server's store from filling up with benchmark sessions.
-            with contextlib.suppress(aiohttp.ClientError, OSError):
+            with contextlib.suppress(aiohttp.ClientError, OSError, BenchError):
                 await self.client.call("DELETE", f"/v1/sessions/{self.id}")
 
 
@@ -330,5 +324,5 @@ class WsSession:
             with contextlib.suppress(TimeoutError, OSError):
                 await asyncio.wait_for(self.ws.close(), 5)
             if self.id:
-                with contextlib.suppress(aiohttp.ClientError, OSError):
+                with contextlib.suppress(aiohttp.ClientError, OSError, BenchError):
                     await self.client.call("DELETE", f"/v1/sessions/{self.id}")

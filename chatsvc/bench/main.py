@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from chatsvc.bench import dataset
-from chatsvc.bench.clients import BenchError, Client, ClientConfig, classify_error
+from chatsvc.bench.clients import Client, ClientConfig, classify_error
 from chatsvc.bench.load import LoadConfig, run_load
 from chatsvc.bench.metrics import RequestRecord, parse_slo, summarize
 from chatsvc.bench.report import summary_table, sweep_table, write_json
@@ -75,13 +75,6 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def _install_persona(client: Client, name: str, system_prompt: str) -> None:
-    status, text = await client.call("PUT", f"/v1/personas/{name}",
-                                     {"system_prompt": system_prompt, "description": "chatsvc bench shared prompt"})
-    if status >= 300:
-        raise BenchError(f"http_{status}", f"PUT /v1/personas/{name}: {text[:200]}")
-
-
 async def run_one(
     cfg: ClientConfig, load: LoadConfig, conversations: list[list[str]], progress: bool, console: Console,
     title: str, install_persona: tuple[str, str] | None = None,
@@ -108,7 +101,9 @@ async def run_one(
     try:
         await client.prepare()
         if install_persona:
-            await _install_persona(client, *install_persona)
+            name, system_prompt = install_persona
+            await client.call("PUT", f"/v1/personas/{name}",
+                              {"system_prompt": system_prompt, "description": "chatsvc bench shared prompt"})
         task = bar.add_task(title, total=total, stats="")
         t_start = time.perf_counter()
 
