@@ -90,7 +90,6 @@ class ProcessEngine(CoreClient):
         self._restart_task: asyncio.Task[None] | None = None
         self._stopping = False
         self._conn, self._proc = conn, proc
-        self._log_child(info)
 
     @classmethod
     def from_args(cls, model: str | None = None, **kwargs: Any) -> ProcessEngine:
@@ -117,11 +116,14 @@ class ProcessEngine(CoreClient):
         child_conn.close()  # so that the child's exit reads as EOF here
         try:
             meanwhile()
-            return conn, proc, self._wait_ready(conn, proc, self._startup_timeout_s)
+            info = self._wait_ready(conn, proc, self._startup_timeout_s)
         except BaseException:
             self._reap(proc, 0.0)
             conn.close()
             raise
+        log.info("engine process %d: %s; %s; %s, OpenMP waits: %s", info.pid, info.model_name,
+                 info.runtime_summary, info.allocator, info.omp_wait_policy)
+        return conn, proc, info
 
     @staticmethod
     def _wait_ready(conn: Connection, proc: BaseProcess, timeout_s: float) -> EngineInfo:
@@ -138,11 +140,6 @@ class ProcessEngine(CoreClient):
         if not isinstance(msg, Ready) or msg.info.protocol != PROTOCOL_VERSION:
             raise RuntimeError(f"engine process speaks another protocol (got {msg!r:.200})")
         return msg.info
-
-    @staticmethod
-    def _log_child(info: EngineInfo) -> None:
-        log.info("engine process %d: %s; %s; %s, OpenMP waits: %s", info.pid, info.model_name,
-                 info.runtime_summary, info.allocator, info.omp_wait_policy)
 
     @staticmethod
     def _reap(proc: BaseProcess, timeout_s: float) -> None:
@@ -252,7 +249,6 @@ class ProcessEngine(CoreClient):
             self._conn.close()
             self._conn, self._proc = conn, proc
             self._install(info)
-            self._log_child(info)
             self._start_reader()
             if self._stopping:
                 return  # stop() sends the new child its Shutdown
