@@ -8,6 +8,7 @@ place on a running turn and gives it back exactly once, however the transport st
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from chatsvc.context import Gateway
@@ -43,17 +44,16 @@ async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
     return {**meta.public(), "busy": busy, "messages": await gw.store.messages(meta.id)}
 
 
+@dataclass(eq=False)
 class ReplyReader:
     """One reader of one session reply: its events after ``after``, until the done/error event."""
 
-    def __init__(self, gw: Gateway, session_id: str, turn: int, after: str, at: ActiveTurn | None,
-                 remote: str | None = None) -> None:
-        self.gw = gw
-        self.session_id = session_id
-        self.turn = turn
-        self.after = after
-        self._at = at  # the running turn this reader holds, if the reply is still being generated here
-        self._remote = remote  # its place on a turn another gateway generates
+    gw: Gateway
+    session_id: str
+    turn: int
+    after: str
+    _at: ActiveTurn | None  # the running turn this reader holds, if the reply is still being generated here
+    _remote: str | None = None  # its place on a turn another gateway generates
 
     def events(self) -> AsyncIterator[tuple[str, dict[str, Any], str]]:
         """(event id, event, its stored JSON). The transport calls :meth:`release` once it stops reading

@@ -12,6 +12,7 @@ import importlib.resources
 import importlib.util
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,17 +69,15 @@ def draw_sessions(prompts: list[str], sessions: int, turns: int, seed: int) -> l
     """``sessions`` lists of ``turns`` prompts, a seeded shuffle without repeats until the data set is used
     up (then reshuffled), so the same seed gives every server the same conversation."""
     rng = random.Random(seed)
-    order: list[int] = []
-    out: list[list[str]] = []
-    for _ in range(sessions):
-        convo = []
-        for _ in range(turns):
-            if not order:
-                order = list(range(len(prompts)))
-                rng.shuffle(order)
-            convo.append(prompts[order.pop()])
-        out.append(convo)
-    return out
+
+    def draws() -> Iterator[str]:
+        while True:
+            order = list(range(len(prompts)))
+            rng.shuffle(order)
+            yield from (prompts[i] for i in reversed(order))
+
+    prompt = draws()
+    return [[next(prompt) for _ in range(turns)] for _ in range(sessions)]
 
 
 class HFTokenizer:
@@ -132,12 +131,10 @@ def system_prompt(num_tokens: int, tokenizer: TextTokenizer | None = None) -> st
     if num_tokens <= 0:
         return ""
     parts: list[str] = []
-    i = 0
     budget_chars = num_tokens * CHARS_PER_TOKEN
     # Overshoot, then cut: with a tokenizer by tokens, without by characters.
     while sum(len(p) + 1 for p in parts) < budget_chars * 2:
-        parts.append(f"Rule {i + 1}: {_PERSONA_SENTENCES[i % len(_PERSONA_SENTENCES)]}")
-        i += 1
+        parts.append(f"Rule {len(parts) + 1}: {_PERSONA_SENTENCES[len(parts) % len(_PERSONA_SENTENCES)]}")
     text = " ".join(parts)
     if tokenizer is None:
         return text[:budget_chars].rstrip()

@@ -245,11 +245,8 @@ class TurnStore(Liveness):
 
     async def lock_holder(self, sid: str) -> tuple[str, int, bool] | None:
         """(instance, turn, alive) of the session's lock; None when no turn holds it."""
-        lock, alive, name = await self.lock_view(sid)
-        turn = lock.rpartition("|")[2]
-        if name is None or not turn.isdigit():
-            return None
-        return name, int(turn), alive
+        lock, alive, name = await self.lock_view(sid)  # a holder's name: a well-formed lock
+        return None if name is None else (name, int(lock.rpartition("|")[2]), alive)
 
     async def take_over_turns(self, skip: Collection[str] = ()) -> list[tuple[str, int]]:
         """Take the locks of the running turns of dead instances (not ``skip``): (session id, turn) of each
