@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
@@ -51,20 +52,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-hosts", default=None,
                    help="comma-separated Host names (fnmatch, '*' for any) the server answers to; default: "
                         "localhost, 127.0.0.1, [::1] and --host")
-    add_settings_arguments(p)
+    hints = typing.get_type_hints(Settings)
+    for f in flag_fields():  # the settings that name a flag (Settings holds its default, type and help)
+        p.add_argument(f.metadata["flag"], dest=f.name, type=hints[f.name], default=f.default,
+                       help=f.metadata["help"])
     p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="the gateway's event loop (auto: uvloop where installed)")
     p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
                    help="HTTP/1.1 parser (auto: httptools where installed)")
     p.add_argument("--log-level", default="info")
-
-
-def add_settings_arguments(p: argparse.ArgumentParser) -> None:
-    """A flag for each gateway setting that names one (``Settings`` holds its default, type and help)."""
-    hints = typing.get_type_hints(Settings)
-    for f in flag_fields():
-        p.add_argument(f.metadata["flag"], dest=f.name, type=hints[f.name], default=f.default,
-                       help=f.metadata["help"])
 
 
 # Engine flags are generated from EngineConfig's fields: --field-name (a bool that defaults to True becomes
@@ -104,8 +100,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def is_loopback(host: str) -> bool:
-    import ipaddress
-
     if host == "localhost":
         return True
     try:
