@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 
+import background
 import pytest
 import pytest_timeout
 from timing import calibrated_slowdown, load_slowdown, slowdown
@@ -25,9 +26,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    return (f"time limits x{slowdown():.2f} of the reference machine's (loop x{calibrated_slowdown():.2f}, "
-            f"load x{load_slowdown():.2f}; tests/timing.py)")
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"time limits x{slowdown():.2f} of the reference machine's (loop x{calibrated_slowdown():.2f}, "
+            f"load x{load_slowdown():.2f}; tests/timing.py)", f"engine: {_kernels_in_use()}"]
+
+
+def _kernels_in_use() -> str:
+    """What the engine tests compute with on this machine: the C++ kernels' ISA build, or the torch reference
+    kernels and why (a failed build); loading them here builds them if setup has not."""
+    from kernels import get_backend
+    from kernels.runtime import describe_runtime
+
+    return describe_runtime(get_backend("auto"), "float32").describe()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -50,3 +60,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("long") is not None:
             item.add_marker(pytest.mark.skip(reason=LONG_REASON))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the long single-threaded jobs the collected tests will need (tests/background.py)."""
+    wanted = {item.nodeid for item in session.items if item.get_closest_marker("skip") is None}
+    if any(n.startswith("tests/test_code_quality.py::test_mypy") for n in wanted):
+        background.start("mypy-strict", background.STRICT_MYPY)
+    if any(n.startswith("tests/test_kernels_cpu.py::") for n in wanted):
+        from kernels import cpu_kernels
+
+        background.start("kernel-builds", background.kernel_build(cpu_kernels.testable_isas()))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background.stop_all()

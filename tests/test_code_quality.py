@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,8 +124,9 @@ def test_ruff_passes() -> None:
 
 @pytest.fixture(scope="module")
 def strict_mypy() -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mypy", "--strict", *STRICT_PACKAGES], cwd=ROOT,
-                          capture_output=True, text=True)
+    """Started when collection ended (tests/background.py): a cold run takes about a minute."""
+    assert background.STRICT_MYPY[-len(STRICT_PACKAGES):] == list(STRICT_PACKAGES)
+    return background.result("mypy-strict", background.STRICT_MYPY)
 
 
 @pytest.mark.slow

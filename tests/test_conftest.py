@@ -13,7 +13,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    for name in ("conftest.py", "timing.py"):
+    for name in ("conftest.py", "timing.py", "background.py"):
         shutil.copy(HERE / name, tmp_path / name)
     (tmp_path / "test_marked.py").write_text(textwrap.dedent("""\
         import pytest
