@@ -37,7 +37,8 @@ async def _kv_payload(gw: Gateway, owner: str, session: dict[str, Any] | None) -
     snap = gw.engine.kv_snapshot()
     payload: dict[str, Any] = {**_visible(gw, snap, owner).to_json(), **gw.engine.stats().to_json()}
     if session is not None:
-        rid = gw.turns.request_id(session["id"])
+        at = gw.turns.active.get(session["id"])
+        rid = at.request_id if at else None
         payload["session"] = {
             **session,
             "request_id": rid,

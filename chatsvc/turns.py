@@ -137,10 +137,6 @@ class TurnRegistry:
         self._listener: asyncio.Task[None] | None = None
         self._holds: dict[str, tuple[str, int]] = {}  # reader id -> (session, turn) generated elsewhere
 
-    def request_id(self, session_id: str) -> str | None:
-        at = self.active.get(session_id)
-        return at.request_id if at else None
-
     async def open(self) -> None:
         """Announce this instance and recover what dead ones left (before the first request, so a restarted
         gateway finds its predecessor's sessions free), then keep that up: heartbeat, lock refresh, recovery."""

@@ -45,9 +45,7 @@ class LazyTokenizer:
 def count_missing_tokens(records: list[RequestRecord], tok: LazyTokenizer) -> None:
     """Output tokens for replies the server gave no usage for: tokenize the text, else count deltas."""
     missing = [r for r in records if r.ok and r.output_tokens is None]
-    if not missing:
-        return
-    t = tok.get()
+    t = tok.get() if missing else None  # loaded only when a count is needed
     for r in missing:
         if t is not None:
             r.output_tokens, r.token_source = len(t.encode(r.text)), "tokenizer"

@@ -24,8 +24,7 @@ def summary_table(s: dict[str, Any], title: str = "chatsvc bench") -> Table:
     for col in ("mean", "p50", "p90", "p99"):
         t.add_column(col, justify="right")
     for label, key in LATENCIES:
-        d = s[key]
-        t.add_row(f"{label} (ms)", *(_f(d[c]) for c in ("mean", "p50", "p90", "p99")))
+        t.add_row(f"{label} (ms)", *(_f(s[key][c]) for c in ("mean", "p50", "p90", "p99")))
     t.add_section()
     errors = s.get("errors") or {}
     rows = [
