@@ -188,8 +188,9 @@ def _step_ab(f: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _serving_ab(f: dict[str, Any]) -> list[tuple[str, str]]:
-    variant = " ".join(f.get("flags") or []) or " ".join(f"{k}={v}" for k, v in (f.get("env") or {}).items())
-    return [(f"`{variant}` / default output tok/s, workload {key}", _x(w.get("variant_over_base")))
+    variant = (f.get("label") or f"`{' '.join(f.get('flags') or [])}`" if f.get("flags") or f.get("label")
+               else f"`{' '.join(f'{k}={v}' for k, v in (f.get('env') or {}).items())}`")
+    return [(f"{variant} / default output tok/s, workload {key}", _x(w.get("variant_over_base")))
             for key, w in ((k[len("workload_"):], v) for k, v in f.items() if k.startswith("workload_"))]
 
 

@@ -89,6 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--env", type=parse_env, default={}, help="the variant's extra environment")
     ap.add_argument("--flags", default="", help="the variant's extra `chatsvc serve` flags, given with =")
+    ap.add_argument("--label", default="", help="what the variant is, for the results table (default: its env "
+                    "and flags)")
     ap.add_argument("--workloads", default="32,64")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
@@ -130,7 +132,7 @@ def main() -> None:
                     per[key][side] = sv.bench(urls[side], side, sv.workload_args(key, False),
                                               Path(tmp) / f"{side}_{key}_r{i}.json", sv.round_seed(a.seed, key, i))
             runs.append({key: per[key] for key in keys})
-    summary: dict[str, Any] = {"env": a.env, "flags": list(extra)}
+    summary: dict[str, Any] = {"env": a.env, "flags": list(extra), "label": a.label}
     for key in keys:
         summary[f"workload_{key}"] = summarize([r[key] for r in runs], key)
     summary.update({"rounds": a.rounds, "cpu": host.cpu, "isa": host.isa, "cores": host.cores,
