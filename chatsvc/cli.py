@@ -16,6 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from chatsvc import bench
 from chatsvc.settings import Settings, api_keys_from_env, default_data_dir, flag_fields, split_csv
 from chatsvc.worker import DEFAULT_TTL_S, DRAIN_TIMEOUT_S
 from engine.client import EngineClient
@@ -259,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(sub.add_parser("serve", help="run the gateway and the engine"))
     add_worker_arguments(sub.add_parser("worker", help="run one engine serving gateways (serve --engine redis) "
                                                        "through Redis"))
-    bench_parser = sub.add_parser("bench", help="load-test a running server")
-    from chatsvc import bench
-
-    bench.add_arguments(bench_parser)
+    bench.add_arguments(sub.add_parser("bench", help="load-test a running server"))
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -78,12 +78,12 @@ class _Lease:
             self.held = False
             self.gw.quotas.end_stream(self.owner)
 
-
-async def _finish(gen: Generation, lease: _Lease) -> None:
-    try:
-        await gen.close()
-    finally:
-        lease.release()
+    async def finish(self, gen: Generation) -> None:
+        """The response's background task: abort the request (if still running) and give the place back."""
+        try:
+            await gen.close()
+        finally:
+            self.release()
 
 
 @dataclass
@@ -179,7 +179,7 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
         lease = _Lease(gw, owner)
         return EventStream(_stream(gw, gen, lease, template, chunk), ping=10,
                            send_timeout=gw.settings.sse_send_timeout_s,
-                           background=BackgroundTask(_finish, gen, lease))
+                           background=BackgroundTask(lease.finish, gen))
     try:
         got = await _collect(request, gen, echo)
     finally:

@@ -206,10 +206,8 @@ async def _receive(conn: Connection, opened: float) -> Mapping[str, Any] | None:
     settings = conn.gw.settings
     loop = asyncio.get_running_loop()
     while True:
-        if conn.owner is None:
-            timeout = opened + settings.ws_auth_timeout_s - loop.time()
-        else:
-            timeout = settings.ws_idle_timeout_s
+        timeout = (opened + settings.ws_auth_timeout_s - loop.time() if conn.owner is None
+                   else settings.ws_idle_timeout_s)
         try:
             return await asyncio.wait_for(conn.ws.receive(), max(timeout, 0.0))
         except TimeoutError:

@@ -119,7 +119,6 @@ def handle_event(rec: RequestRecord, obj: Any, event: str | None = None, now: fl
         code = e.get("code") or e.get("type") or "error"
         raise BenchError(f"server_{code}", str(e.get("message", ""))[:300])
     text = ""
-    done = False
     if isinstance(obj.get("choices"), list):
         for choice in obj["choices"]:
             delta = choice.get("delta") or {}
@@ -132,9 +131,9 @@ def handle_event(rec: RequestRecord, obj: Any, event: str | None = None, now: fl
     elif kind in ("delta", "token", "message.delta"):
         piece = obj.get("text", obj.get("delta", obj.get("content")))
         text = piece if isinstance(piece, str) else ""
-    if kind in ("done", "end", "message.done", "finish"):
+    done = kind in ("done", "end", "message.done", "finish")
+    if done:
         rec.finish_reason = obj.get("finish_reason", rec.finish_reason)
-        done = True
     _apply_usage(rec, obj.get("usage"))
     if text:
         rec.delta_times.append(now)

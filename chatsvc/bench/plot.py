@@ -18,13 +18,11 @@ def _pyplot() -> Any:
     return plt
 
 
-def _cdf(ax: Any, values: list[float], label: str | None = None) -> None:
+def _cdf(ax: Any, values: list[float]) -> None:
     if not values:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         return
-    xs = sorted(values)
-    ys = [(i + 1) / len(xs) for i in range(len(xs))]
-    ax.step(xs, ys, where="post", label=label)
+    ax.step(sorted(values), [(i + 1) / len(values) for i in range(len(values))], where="post")
 
 
 def _save(fig: Any, path: str | Path, title: str) -> None:

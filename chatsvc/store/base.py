@@ -42,7 +42,6 @@ class RedisStore:
             return False
 
     def _script(self, source: str) -> Any:
-        script = self._scripts.get(source)
-        if script is None:
-            script = self._scripts[source] = self.r.register_script(source)
-        return script
+        if source not in self._scripts:
+            self._scripts[source] = self.r.register_script(source)
+        return self._scripts[source]
