@@ -80,7 +80,8 @@ def pin_key(name: str, owner: str | None = None) -> str:
 class Personas:
     """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
-    def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings, offload: Offload) -> None:
+    def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings,
+                 offload: Offload) -> None:
         self.engine = engine
         self.store = store
         self.settings = settings
