@@ -194,6 +194,14 @@ def _serving_ab(f: dict[str, Any]) -> list[tuple[str, str]]:
             for key, w in ((k[len("workload_"):], v) for k, v in f.items() if k.startswith("workload_"))]
 
 
+def _grammar_engines(f: dict[str, Any]) -> list[tuple[str, str]]:
+    engines = f["engines"]
+    names = sorted(engines)
+    ms = ", ".join(f"{n} {_n(engines[n]['compile_to_first_mask_ms']['nested'])}" for n in names)
+    fill = ", ".join(f"{n} {_n(engines[n]['fill_32_rows_ms'])}" for n in names)
+    return [("nested JSON schema, compile to first mask (ms)", ms), ("token masks for 32 rows (ms)", fill)]
+
+
 def _quantization(f: dict[str, Any]) -> list[tuple[str, str]]:
     acc = f.get("accuracy", {})
     # The int8 variant `--quantization int8` runs here (the kernel `auto` picks) first: it is the headline.
@@ -289,6 +297,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Decode step A/B", "The engine's decode step at a base commit and at the record's commit, in turns.", _step_ab),
     "serving_ab": Benchmark(
         "Serving A/B", "Two configurations of `chatsvc serve` on the same load in alternated rounds.", _serving_ab),
+    "grammar_engines": Benchmark(
+        "Grammar engines", "xgrammar vs llguidance for structured outputs, on this model's tokenizer.",
+        _grammar_engines),
     "quantization_accuracy": Benchmark(
         "int8 quantization", "What `--quantization int8` costs in accuracy (vs float32 logits) and buys in "
         "projection speed.", _quantization),
