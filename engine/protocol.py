@@ -88,10 +88,11 @@ T = TypeVar("T")
 _ADAPTERS: dict[type[Any], TypeAdapter[Any]] = {}
 
 
-def _adapter(cls: type[Any]) -> TypeAdapter[Any]:
+def _adapter(cls: type[T]) -> TypeAdapter[T]:
     if cls not in _ADAPTERS:  # built on first use: a gateway that decodes nothing never pays for it
         _ADAPTERS[cls] = TypeAdapter(cls)
-    return _ADAPTERS[cls]
+    adapter: TypeAdapter[T] = _ADAPTERS[cls]
+    return adapter
 
 
 def parse(cls: type[T], data: Any) -> T:
@@ -110,7 +111,7 @@ def dump_json(msg: Any) -> str:
     return _adapter(type(msg)).dump_json(msg).decode()
 
 
-def _validate(cls: type[Any], data: Any, from_text: bool) -> Any:
+def _validate(cls: type[T], data: Any, from_text: bool) -> T:
     adapter = _adapter(cls)
     try:
         return adapter.validate_json(data) if from_text else adapter.validate_python(data)
