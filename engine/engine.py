@@ -128,7 +128,7 @@ class LLMEngine:
         self.scheduler_config = config.scheduler_config(loaded.config.max_position_embeddings, self.cache_config)
         cache = self.cache_config
         self.block_manager = BlockManager(cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks,
-                                          cache.enable_prefix_caching, extra_key=str(self.model_path).encode())
+                                          cache.enable_prefix_caching, str(self.model_path).encode())
         self.runner: ModelRunner = make_runner(loaded.model, backend, cache, self.dtype, config)
         costs = PreemptionCosts()
         if self.scheduler_config.preemption_mode == "auto" and cache.num_cpu_blocks:  # without them: recompute
@@ -176,9 +176,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> list[RequestDelta]:
         group = self.scheduler.abort(request_id)
-        if group is None:
-            return []
-        return self._finish_request(group)
+        return [] if group is None else self._finish_request(group)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -269,9 +267,8 @@ class LLMEngine:
         groups = list(dict.fromkeys(item.group for item in out.scheduled))
         parts: list[tuple[torch.Tensor | None, tuple[ScheduledSeq, ...], tuple[ScheduledSeq, ...]]] = []
         culprits: list[tuple[SequenceGroup, BaseException]] = []
-        pending: list[tuple[list[SequenceGroup], BaseException | None]] = [
-            (groups[: len(groups) // 2], None), (groups[len(groups) // 2:], None)] if len(groups) > 1 else [
-            (groups, exc)]
+        # A part with a known error is split (or, alone, is a culprit) without running it again.
+        pending: list[tuple[list[SequenceGroup], BaseException | None]] = [(groups, exc)]
         while pending:
             part, known = pending.pop(0)
             if not part:
@@ -292,31 +289,31 @@ class LLMEngine:
             culprits.append((part[0], error))
         # A culprit's blocks past its computed tokens never got their KV: out of the prefix cache with
         # them. A request that hit one of them in this same step read that missing KV, so it fails too.
+        bm = self.block_manager
         unwritten: set[int] = set()
         for group, error in culprits:
             log.error("request %s fails the engine step: %s", group.request_id, error)
             for seq in group.seqs:
-                unwritten.update(self.block_manager.block_table(seq)[seq.num_computed_tokens // self.block_manager.block_size:])
-                self.block_manager.abandon(seq)
-            self.abort_request(group.request_id)
-            self._failures.append((group.request_id, RuntimeError(f"engine error: {error}")))
+                unwritten.update(bm.block_table(seq)[seq.num_computed_tokens // bm.block_size :])
+            self._fail_request(group, f"engine error: {error}")
         victims = {item.group for _, _, items in parts for item in items
-                   if unwritten.intersection(self.block_manager.block_table(item.seq))}
-        for group in victims:
-            for seq in group.seqs:  # its own new blocks were computed from that missing KV
-                self.block_manager.abandon(seq)
-            self.abort_request(group.request_id)
-            self._failures.append((group.request_id, RuntimeError(
-                "engine error: this request shared prompt blocks with a request that failed the step")))
+                   if unwritten.intersection(bm.block_table(item.seq))}
+        for group in victims:  # its own new blocks were computed from that missing KV
+            self._fail_request(group, "engine error: this request shared prompt blocks with a request that "
+                                      "failed the step")
         done = tuple(item for _, _, items in parts for item in items if item.group not in victims)
-        kept: list[ScheduledSeq] = []
-        rows: list[torch.Tensor] = []
-        for part_logits, part_samplers, _ in parts:
-            keep = [i for i, s in enumerate(part_samplers) if s.group not in victims]
-            kept += [part_samplers[i] for i in keep]
-            if part_logits is not None and keep:
-                rows.append(part_logits[keep] if len(keep) < len(part_samplers) else part_logits)
-        return (torch.cat(rows) if rows else None), tuple(kept), dataclasses.replace(out, scheduled=done)
+        # A part's logits are None exactly when none of its sequences samples.
+        sampling = [s for _, part_samplers, _ in parts for s in part_samplers]
+        keep = [i for i, s in enumerate(sampling) if s.group not in victims]
+        logits = torch.cat([rows for rows, _, _ in parts if rows is not None])[keep] if keep else None
+        return logits, tuple(sampling[i] for i in keep), dataclasses.replace(out, scheduled=done)
+
+    def _fail_request(self, group: SequenceGroup, message: str) -> None:
+        """Abort a request that failed the step; its blocks leave the prefix cache (their KV is not there)."""
+        for seq in group.seqs:
+            self.block_manager.abandon(seq)
+        self.abort_request(group.request_id)
+        self._failures.append((group.request_id, RuntimeError(message)))
 
     def _sampling_rows(self, samplers: tuple[ScheduledSeq, ...]) -> list[tuple[int, SequenceGroup, Sequence]]:
         """(logits row, group, sequence) of each sequence that samples this step. A group of n > 1 forks
@@ -333,13 +330,10 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, rows: list[tuple[int, SequenceGroup, Sequence]]) -> SamplerOutput:
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor([i for i, _, _ in rows], device=logits.device)]
-        batch = SamplingBatch(
-            params=[g.sampling_params for _, g, _ in rows],
-            prompt_token_ids=[s.prompt_token_ids for _, _, s in rows],
-            output_token_ids=[s.output_token_ids for _, _, s in rows],
-            generators=[self._generator(g, s) for _, g, s in rows],
-            eos_token_ids=self.eos_token_ids,
-        )
+        groups, seqs = [g for _, g, _ in rows], [s for _, _, s in rows]
+        batch = SamplingBatch([g.sampling_params for g in groups], [s.prompt_token_ids for s in seqs],
+                              [s.output_token_ids for s in seqs], [self._generator(g, s) for _, g, s in rows],
+                              self.eos_token_ids)
         return self.sampler(logits, batch)
 
     def _postprocess(self, rows: list[tuple[int, SequenceGroup, Sequence]], result: SamplerOutput
@@ -375,9 +369,7 @@ class LLMEngine:
         if any(seq.seq_id not in search.pending for seq in beams):
             return []  # a beam still prefilling (chunked, or recomputed after preemption) samples later
         params = group.sampling_params
-        limit = self.max_model_len - group.num_prompt_tokens
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens)
+        limit = min(self.max_model_len - group.num_prompt_tokens, params.max_tokens or self.max_model_len)
         chosen = search.step([search.pending[seq.seq_id] for seq in beams], [seq.output_token_ids for seq in beams],
                              end_tokens(self.eos_token_ids, params.stop_token_ids, params.ignore_eos), limit)
         extended: set[int] = set()
@@ -449,11 +441,9 @@ class LLMEngine:
                 seq.stop_reason = step.stop_str
             elif step.stop_token_id not in self.eos_token_ids:
                 seq.stop_reason = step.stop_token_id
-        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens) or (
-            seq.num_tokens >= self.max_model_len
-        ):
+        elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+              or seq.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason is not None and not step.stopped:
             text += detok.flush()
         seq.output_text = detok.output_text
         delta = _delta(group, seq, text, [token], reason, [logprobs] if logprobs is not None else None)
@@ -468,7 +458,7 @@ class LLMEngine:
         return delta
 
     def _detokenizer(self, seq: Sequence, params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        return IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, params, self.eos_token_ids)
 
     def _forget_seq(self, seq: Sequence) -> None:
         self.runner.free_seq(seq.seq_id)
@@ -485,8 +475,9 @@ class LLMEngine:
         whole = group.beam is not None
         if whole:
             group.seqs = self._beam_results(group)
-        deltas = [_delta(group, seq, seq.output_text if whole else "", list(seq.output_token_ids) if whole else [],
-                         seq.finish_reason or "abort") for seq in group.seqs]
+        deltas = [_delta(group, seq, seq.output_text if whole else "",
+                         list(seq.output_token_ids) if whole else [], seq.finish_reason or "abort")
+                  for seq in group.seqs]
         deltas[-1].request_finished = True
         return deltas
 
@@ -518,18 +509,9 @@ class LLMEngine:
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.block_manager.device
         pinned = {b for blocks in self.block_manager.pinned_blocks().values() for b in blocks}
-        state = []
-        for block in pool.blocks:
-            if block.block_id in pinned:
-                state.append("pinned")
-            elif block.ref_count > 1:
-                state.append("shared")
-            elif block.ref_count == 1:
-                state.append("used")
-            elif block.block_hash is not None:
-                state.append("cached")
-            else:
-                state.append("free")
+        state = ["pinned" if b.block_id in pinned else "shared" if b.ref_count > 1
+                 else "used" if b.ref_count == 1 else "cached" if b.block_hash is not None else "free"
+                 for b in pool.blocks]
         requests = {group.request_id: list(dict.fromkeys(b for seq in group.seqs
                                                          for b in self.block_manager.block_table(seq)))
                     for group in self.scheduler.running}
@@ -547,8 +529,9 @@ class LLMEngine:
                    for seq in sorted(group.seqs, key=lambda s: s.index)]
         times = {"arrival_time": group.arrival_time, "first_token_time": group.first_token_time,
                  "finished_time": group.finished_time}
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs, group.is_finished,
-                             group.num_cached_tokens, {k: t for k, t in times.items() if t is not None})
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
+                             group.is_finished, group.num_cached_tokens,
+                             {k: t for k, t in times.items() if t is not None})
 
 
 def _delta(group: SequenceGroup, seq: Sequence, text: str, token_ids: list[int], finish_reason: str | None,
