@@ -10,12 +10,10 @@ pass, whose all-reduces (after ``o_proj`` and ``down_proj``) and logits gather (
 Preemption is therefore all-or-nothing across ranks: it is a decision of rank 0's scheduler, and the plan
 carries its block moves to every rank.
 
-Launch (``engine.tp_group``). ``LLMEngine(tensor_parallel_size=N)`` starts ranks 1..N-1 itself, each a
-``python -m engine.tp_rank`` process, so an engine starts its ranks from a REPL, a notebook or stdin as from
-a script file. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set, env:// rendezvous), rank 0 joins the ranks
-torchrun started, which run ``serve_launched_rank``: ``chatsvc serve`` calls it before anything else, and
-``torchrun -m engine.tp_rank script.py`` runs the script on rank 0 only. ``LLMEngine`` itself only ever
-becomes rank 0: built on another launched rank, it refuses at once.
+Launch (``engine.tp_group``, ``engine.tp_rank``). ``LLMEngine(tensor_parallel_size=N)`` starts ranks 1..N-1
+itself, or, under ``torchrun``, joins the ranks torchrun started, which run ``serve_launched_rank`` (as
+``chatsvc serve`` does first on such a rank). ``LLMEngine`` itself only ever becomes rank 0: built on another
+launched rank, it refuses at once.
 
 Failure. A rank that dies makes rank 0 raise ``RankDiedError`` (an ``EngineDeadError``): spawned ranks are
 checked before every step, and a collective with a dead peer fails at once (its socket closes), one with a
@@ -109,7 +107,8 @@ class RankTables:
 
     @classmethod
     def of(cls, rank: int, runner: ModelRunner) -> RankTables:
-        return cls(rank, kv_cache_shape=tuple(runner.kv_cache.shape), cpu_cache_shape=tuple(runner.cpu_cache.shape))
+        return cls(rank, kv_cache_shape=tuple(runner.kv_cache.shape),
+                   cpu_cache_shape=tuple(runner.cpu_cache.shape))
 
     def update(self, items: Sequence[StepSeq]) -> None:
         for item in items:
@@ -161,23 +160,22 @@ def _check_launcher_size(size: int) -> None:
                          f"{os.environ['WORLD_SIZE']}")
 
 
+@dataclass
 class _Ranks:
     """Rank 0's hold on the group: the rank processes it started (none under torchrun) and the plan group."""
 
-    def __init__(self, size: int, plan_group: dist.ProcessGroup, procs: list[RankProcess]) -> None:
-        self.size = size
-        self.plan_group = plan_group
-        self.procs = procs
-        self.failed: str | None = None
-        self.closed = False
+    size: int
+    plan_group: dist.ProcessGroup
+    procs: list[RankProcess]
+    failed: str | None = None
+    closed: bool = False
 
     def dead_rank(self) -> str | None:
         """Why the first started rank that has exited is gone, else None."""
         return first_exited(self.procs)
 
     def check(self) -> None:
-        if self.failed is None:
-            self.failed = self.dead_rank()
+        self.failed = self.failed or self.dead_rank()
         if self.failed is not None:
             raise RankDiedError(f"tensor-parallel engine is down: {self.failed}")
 
@@ -221,8 +219,8 @@ class DriverRunner(ModelRunner):
     """Rank 0's runner: runs its own shard as ``ModelRunner`` does, and before each forward pass sends the
     other ranks the step's plan (the block moves executed since the last one included)."""
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig, dtype: torch.dtype,
-                 device: torch.device, ranks: _Ranks) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig,
+                 dtype: torch.dtype, device: torch.device, ranks: _Ranks) -> None:
         super().__init__(model, backend, cache, dtype, device)
         self.ranks = ranks
         self.mirror = RankTables.of(0, self)
@@ -263,7 +261,8 @@ class DriverRunner(ModelRunner):
         when an earlier step's moves never reached a forward pass)."""
         moves = self._moves or [SchedulerOutput()]
         for i, m in enumerate(moves):
-            self.ranks.send(StepPlan(seqs if i == len(moves) - 1 else (), tuple(self._freed) if i == 0 else (), m))
+            last, first = i == len(moves) - 1, i == 0
+            self.ranks.send(StepPlan(seqs if last else (), tuple(self._freed) if first else (), m))
         self.mirror.free(self._freed)
         self._moves, self._freed = [], []
 

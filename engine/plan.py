@@ -8,29 +8,8 @@ derived properties.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 from engine.request import Sequence, SequenceGroup
-
-
-class StepSeq(Protocol):
-    """What the runner reads of one scheduled sequence: ``ScheduledSeq`` on the scheduler's rank,
-    ``PlannedSeq`` on the other tensor-parallel ranks."""
-
-    @property
-    def seq_id(self) -> int: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def num_new_tokens(self) -> int: ...
-    @property
-    def table_start(self) -> int: ...
-    @property
-    def new_blocks(self) -> tuple[int, ...]: ...
-    @property
-    def new_token_ids(self) -> list[int] | tuple[int, ...]: ...
-    @property
-    def samples(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -74,6 +53,11 @@ class PlannedSeq:
     new_blocks: tuple[int, ...]
     new_token_ids: tuple[int, ...]
     samples: bool
+
+
+# What the runner reads of one scheduled sequence: a ``ScheduledSeq`` on the scheduler's rank, a
+# ``PlannedSeq`` on the other tensor-parallel ranks.
+StepSeq = ScheduledSeq | PlannedSeq
 
 
 @dataclass(frozen=True)

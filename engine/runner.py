@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import itertools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,8 +126,8 @@ class ModelInput(Generic[S]):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig,
+                 dtype: torch.dtype, device: torch.device) -> None:
         """``model``: this rank's whole model or shard; its ``layer_config`` shapes the KV cache."""
         self.model = model
         self.config = config = model.layer_config
@@ -170,23 +171,13 @@ class ModelRunner:
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         order = decodes + prefills
-        input_ids: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        sample_rows: list[int] = []
-        samplers: list[S] = []
-        for item in order:
-            start, end = item.start, item.start + item.num_new_tokens
-            rows.append(self.block_tables.update(item))
-            input_ids.extend(item.new_token_ids)
-            positions.extend(range(start, end))
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            context_lens.append(end)
-            if item.samples:
-                sample_rows.append(query_start[-1] - 1)
-                samplers.append(item)
+        rows = [self.block_tables.update(item) for item in order]
+        input_ids = [t for item in order for t in item.new_token_ids]
+        context_lens = [item.start + item.num_new_tokens for item in order]
+        positions = [p for item, end in zip(order, context_lens, strict=True) for p in range(item.start, end)]
+        query_start = list(itertools.accumulate((item.num_new_tokens for item in order), initial=0))
+        samplers = [item for item in order if item.samples]
+        sample_rows = [query_start[i + 1] - 1 for i, item in enumerate(order) if item.samples]
         bs = self.block_size
         max_context_len = max(context_lens)
         tables = self.block_tables.table[torch.tensor(rows), : -(-max_context_len // bs)]

@@ -80,11 +80,6 @@ def init_groups(store: Store, rank: int, size: int, device: str) -> dist.Process
     return group
 
 
-def _env_store(timeout: datetime.timedelta) -> tuple[Store, int, int]:
-    store, rank, size = next(rendezvous("env://", timeout=timeout))
-    return store, rank, size
-
-
 # ---- rank 0 --------------------------------------------------------------------------------------
 
 
@@ -143,10 +138,8 @@ class RankProcess:
 
 
 def first_exited(procs: list[RankProcess]) -> str | None:
-    for proc in procs:
-        if (why := proc.exited()) is not None:
-            return why
-    return None
+    """Why the first of ``procs`` that has exited is gone, else None."""
+    return next((why for proc in procs if (why := proc.exited()) is not None), None)
 
 
 def _wait_ready(store: Store, procs: list[RankProcess]) -> None:
@@ -167,10 +160,11 @@ def start_group(size: int, device: str) -> tuple[dist.ProcessGroup, list[RankPro
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine already runs in this process (one process group each)")
     if launched_rank() is not None:
-        store, _, _ = _env_store(_COLLECTIVE_TIMEOUT)
+        store, _, _ = next(rendezvous("env://", timeout=_COLLECTIVE_TIMEOUT))
         store.set(_DEVICE_KEY, device)
         return init_groups(store, 0, size, rank_device(device, 0)), []
-    store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=_COLLECTIVE_TIMEOUT)
+    store = TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                     timeout=_COLLECTIVE_TIMEOUT)
     store.set(_DEVICE_KEY, device)
     procs: list[RankProcess] = []
     try:
@@ -195,7 +189,7 @@ def join_group() -> tuple[int, int, dist.ProcessGroup]:
     device. Returns (rank, size, the plans' group)."""
     # torchrun's workers may start long before rank 0 has loaded its model and published its device.
     spawned = os.environ.get(SPAWNED_ENV) == "1"
-    store, rank, size = _env_store(_COLLECTIVE_TIMEOUT if spawned else PLAN_TIMEOUT)
+    store, rank, size = next(rendezvous("env://", timeout=_COLLECTIVE_TIMEOUT if spawned else PLAN_TIMEOUT))
     store.add(_READY_KEY, 1)
     device = store.get(_DEVICE_KEY).decode()
     store.set_timeout(_COLLECTIVE_TIMEOUT)
