@@ -98,17 +98,13 @@ class BlockManager:
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> int:
         table = self._tables.get(seq.seq_id, [])
         end = max(seq.num_computed_tokens + num_new_tokens, reserve_tokens)
-        needed = max(0, self._blocks_for(end) - len(table))
-        if self._needs_cow(seq, num_new_tokens):
-            needed += 1
-        return needed
+        return max(0, self._blocks_for(end) - len(table)) + int(self._needs_cow(seq, num_new_tokens))
 
     def _needs_cow(self, seq: Sequence, num_new_tokens: int) -> bool:
         table = self._tables.get(seq.seq_id)
         if not table or num_new_tokens == 0:
             return False
-        pos = seq.num_computed_tokens
-        idx = pos // self.block_size
+        idx = seq.num_computed_tokens // self.block_size
         return idx < len(table) and self.device.blocks[table[idx]].ref_count > 1
 
     def can_allocate(self, requests: list[tuple[Sequence, int]], prefix_blocks: list[int] | None = None,
@@ -219,10 +215,7 @@ class BlockManager:
         """Free a table allocated in this step whose scheduled tokens will not be computed after
         all. Its blocks past ``seq.num_computed_tokens`` were registered in the prefix cache when
         allocated but will never hold their KV, so they leave the cache first."""
-        table = self._tables.get(seq.seq_id)
-        if table is None:
-            return
-        for block_id in table[seq.num_computed_tokens // self.block_size :]:
+        for block_id in self._tables.get(seq.seq_id, [])[seq.num_computed_tokens // self.block_size :]:
             self.device.uncache(block_id)
         self.free(seq)
 

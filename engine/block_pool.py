@@ -68,8 +68,7 @@ class BlockPool:
         if self._free_uncached:
             block = self.blocks[self._free_uncached.popleft()]
         elif self._free_cached:
-            block_id, _ = self._free_cached.popitem(last=False)
-            block = self.blocks[block_id]
+            block = self.blocks[self._free_cached.popitem(last=False)[0]]
             self._evict(block)
         else:
             raise RuntimeError("block pool exhausted; callers must check num_free first")
@@ -101,9 +100,7 @@ class BlockPool:
     # -- prefix cache -------------------------------------------------------------------------
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
         block_id = self._hash_to_block.get(block_hash)
-        if block_id is None:
-            return None
-        if self.blocks[block_id].token_ids != tuple(token_ids):
+        if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids):
             return None
         return block_id
 

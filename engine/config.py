@@ -83,9 +83,8 @@ class EngineConfig:
 
     def cache_config(self, block_bytes: int) -> CacheConfig:
         """Sizes in blocks, for blocks of ``block_bytes`` (all layers' K and V of ``block_size`` tokens)."""
-        num_blocks = self.num_kv_blocks
-        if num_blocks is None:
-            num_blocks = max(1, (self.kv_cache_mb or DEFAULT_KV_CACHE_MB) * 2**20 // block_bytes)
+        mb = self.kv_cache_mb or DEFAULT_KV_CACHE_MB
+        num_blocks = self.num_kv_blocks or max(1, mb * 2**20 // block_bytes)
         return CacheConfig(self.block_size, num_blocks, self.swap_space_mb * 2**20 // block_bytes,
                            self.enable_prefix_caching)
 
@@ -97,11 +96,8 @@ class EngineConfig:
             max_model_len = min(model_limit, cache.num_device_blocks * cache.block_size)
         elif max_model_len > model_limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's {model_limit} positions")
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len, preemption_mode=self.preemption_mode,
-            kv_reservation=self.kv_reservation, max_waiting=self.max_waiting,
-        )
+        same = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)}
+        return SchedulerConfig(**{**same, "max_model_len": max_model_len})
 
 
 def literal_choices(hint: Any) -> tuple[Any, ...]:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine.beam import end_tokens
 from engine.request import SamplingParams
 
 _REPLACEMENT = "\ufffd"
@@ -51,9 +52,8 @@ class IncrementalDetokenizer:
         self._tokenizer: Decoder = tokenizer
         self._params = params
         self._skip_special = params.skip_special_tokens
-        self._stop_tokens = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_tokens |= set(_eos_ids(tokenizer) if eos_token_ids is None else eos_token_ids)
+        eos = _eos_ids(tokenizer) if eos_token_ids is None else eos_token_ids
+        self._stop_tokens = end_tokens(eos, params.stop_token_ids, params.ignore_eos)
         self._stops = list(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
 
@@ -145,21 +145,14 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, checked_len: int) -> tuple[int, str] | None:
         """The earliest stop string ending past ``checked_len`` (earlier ones were searched before)."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            at = self._text.find(stop, max(0, checked_len - len(stop) + 1))
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        return best
+        found = ((self._text.find(stop, max(0, checked_len - len(stop) + 1)), stop) for stop in self._stops)
+        return min(((at, stop) for at, stop in found if at >= 0), key=lambda match: match[0], default=None)
 
     def _held_back(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of some stop string."""
         text = self._text
-        for n in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-n:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return n
-        return 0
+        return next((n for n in range(min(self._max_stop_len - 1, len(text)), 0, -1)
+                     if any(stop.startswith(text[-n:]) for stop in self._stops)), 0)
 
 
 def _eos_ids(tokenizer: Any) -> set[int]:

@@ -63,7 +63,7 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     kernel = int8_kernel(device) if quantization == "int8" else None
     files = open_model_files(model)
-    path, config, tokenizer = files.path, files.config, files.tokenizer
+    config = files.config
     weights = _gguf_weights(files.gguf, config) if files.gguf is not None else _safetensors_weights(files.safetensors)
     backend = get_backend(attention_backend, device) if isinstance(attention_backend, str) else attention_backend
     net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype, tp=tp)
@@ -76,7 +76,7 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
         net.quantize_linears(kernel)
     elif linear_impl == "onednn" and not net.fuse_layers():
         log.info("decoder layers run module by module (no C++ layer loop for backend %s)", backend.name)
-    return LoadedModel(model=net, tokenizer=tokenizer, config=config, path=path)
+    return LoadedModel(model=net, tokenizer=files.tokenizer, config=config, path=files.path)
 
 
 # ---- HF directories ------------------------------------------------------------------------------

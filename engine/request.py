@@ -247,7 +247,8 @@ class RequestLimits:
 
 
 def make_request(limits: RequestLimits, encode: Callable[[str], list[int]], request_id: str,
-                 sampling_params: SamplingParams, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                 sampling_params: SamplingParams, prompt: str | None = None,
+                 prompt_token_ids: list[int] | None = None,
                  arrival_time: float | None = None) -> SequenceGroup:
     """Validate a request and build its group; ValueError says what is wrong.
 

@@ -16,6 +16,7 @@ instead of sorting the whole vocabulary, sorting only when the head holds too li
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,8 +73,7 @@ def make_generator(seed: int | None, index: int, device: str | torch.device = "c
     if seed is None:
         return None
     mixed = (seed ^ (index * 0x9E3779B97F4A7C15)) & 0xFFFF_FFFF_FFFF_FFFF
-    gen = torch.Generator(device=device)
-    gen.manual_seed(mixed)
+    gen = torch.Generator(device=device).manual_seed(mixed)
     for _ in range(skip):
         torch.rand(1, generator=gen, dtype=torch.float64, device=gen.device)
     return gen
@@ -100,7 +100,8 @@ def suppress_stop_tokens(logits: Tensor, batch: SamplingBatch) -> None:
     for i, (p, out) in enumerate(zip(batch.params, batch.output_token_ids, strict=True)):
         if len(out) >= p.min_tokens:
             continue
-        banned = [t for t in end_tokens(batch.eos_token_ids, p.stop_token_ids, p.ignore_eos) if 0 <= t < vocab]
+        stops = end_tokens(batch.eos_token_ids, p.stop_token_ids, p.ignore_eos)
+        banned = [t for t in stops if 0 <= t < vocab]
         if banned:
             logits[i, banned] = _MASK
 
@@ -182,16 +183,12 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
     return idx.clamp_max_(weights.shape[1] - 1)
 
 
-def _torch_argmax(logits: Tensor) -> Tensor:
-    return logits.argmax(dim=-1)
-
-
 class Sampler:
     """``argmax`` picks each row's greedy token; a backend may bring a faster one than torch's (the CPU
     kernels do), with the same answer: the first index of the maximum, the first NaN if there is one."""
 
     def __init__(self, argmax: Callable[[Tensor], Tensor] | None = None) -> None:
-        self.argmax = argmax or _torch_argmax
+        self.argmax = argmax or functools.partial(torch.argmax, dim=-1)
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(batch.params):
@@ -208,7 +205,8 @@ class Sampler:
         """float32 log-softmax of each beam row's logits (after min_tokens and penalties, as sampling sees
         them), and its top ``num_candidates`` tokens."""
         sub = SamplingBatch([batch.params[i] for i in rows], [batch.prompt_token_ids[i] for i in rows],
-                            [batch.output_token_ids[i] for i in rows], [None] * len(rows), batch.eos_token_ids)
+                            [batch.output_token_ids[i] for i in rows], [None] * len(rows),
+                            batch.eos_token_ids)
         x = _take(logits, rows).float().clone()
         suppress_stop_tokens(x, sub)
         apply_penalties(x, sub)
@@ -225,9 +223,9 @@ class Sampler:
     def _pick(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         params = batch.params
         logprobs = [p.logprobs for p in params]
-
-        outputs = batch.output_token_ids
-        plain = not any(self._needs_processing(p, len(o)) for p, o in zip(params, outputs, strict=True))
+        # Stop tokens suppressed before min_tokens, or penalties: logits to process before any pick.
+        plain = not any(len(out) < p.min_tokens or _has_penalty(p)
+                        for p, out in zip(params, batch.output_token_ids, strict=True))
         if plain and all(p.greedy for p in params):
             # Widening to float32 is exact, so the half-precision logits pick the same tokens; only
             # logprobs need the float32 copy.
@@ -255,10 +253,6 @@ class Sampler:
             for i, tok in zip(random_rows, self._sample(processed, random_rows, batch), strict=True):
                 token_ids[i] = tok
         return SamplerOutput(token_ids, self._gather_logprobs(logits, token_ids, logprobs))
-
-    @staticmethod
-    def _needs_processing(p: SamplingParams, num_output: int) -> bool:
-        return num_output < p.min_tokens or _has_penalty(p)
 
     def _sample(self, logits: Tensor, rows: list[int], batch: SamplingBatch) -> list[int]:
         device = logits.device
@@ -290,8 +284,8 @@ class Sampler:
             w.masked_fill_(w < min_p, 0.0)
         return _inverse_cdf(w, u)
 
-    def _sample_head(self, x: Tensor, temps: Tensor, min_p: Tensor, u: Tensor, top_k: list[int], top_p: list[float],
-                     width: int | None = None) -> Tensor:
+    def _sample_head(self, x: Tensor, temps: Tensor, min_p: Tensor, u: Tensor, top_k: list[int],
+                     top_p: list[float], width: int | None = None) -> Tensor:
         """Top-k, then top-p over what is left, then min-p, among the ``width`` most likely tokens."""
         device = x.device
         vocab = x.shape[1]

@@ -163,8 +163,8 @@ class Scheduler:
             budget = self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
-        return SchedulerOutput(tuple(plan.scheduled), tuple(plan.swap_out), tuple(plan.swap_in), tuple(plan.copies),
-                               tuple(plan.preempted), tuple(plan.ignored))
+        return SchedulerOutput(tuple(plan.scheduled), tuple(plan.swap_out), tuple(plan.swap_in),
+                               tuple(plan.copies), tuple(plan.preempted), tuple(plan.ignored))
 
     def _requests_for(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         requests = []

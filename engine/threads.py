@@ -73,12 +73,9 @@ class ThreadGovernor:
     def choose(self, tokens: int, now: float, *, prefill: bool = False) -> int:
         """The thread count for a step of ``tokens`` tokens starting at ``now`` (seconds, any clock);
         ``prefill``: the step carries prompt tokens, so it is not used to retry the slower count."""
-        if tokens >= self.all_threads_from:
-            self._probing = None
-            return self._count(self.max_threads)
         g = self.group(tokens)
         known = {n: f for n in self.candidates if (f := self._figures.get((g, n))) is not None}
-        if not known:  # a new size: all threads first, the other count from the next step on
+        if tokens >= self.all_threads_from or not known:  # a new size: the other count from the next step on
             self._probing = None
             return self._count(self.max_threads)
         fastest = min(known, key=lambda n: known[n].seconds)
@@ -116,9 +113,8 @@ class ThreadGovernor:
             lost = bool(others) and seconds > min(others)
             interval = self._interval.get(key, self.retry_s)
             self._interval[key] = min(2 * interval, self.max_retry_s) if lost else self.retry_s
-            self._figures[key] = _Figure(seconds, now, [seconds])
-            self._probing = None
-        elif figure is None:
+            self._probing = figure = None
+        if figure is None:
             self._figures[key] = _Figure(seconds, now, [seconds])
         else:
             figure.add(seconds, now, self.smoothing)

@@ -137,22 +137,17 @@ class Tokenizer:
         the characters, never the control token, so they cannot forge a turn of another role. Only
         messages that contain a control token are encoded apart (the rest tokenize exactly as before)."""
         marker = f"\x00{secrets.token_hex(8)}\x00"
-        contents: list[str] = []
-        templated = []
-        for m in messages:
-            if self._has_control_token(m.get("content")):
-                templated.append({**m, "content": f"{marker}{len(contents)}{marker}"})
-                contents.append(str(m["content"]))
-            else:
-                templated.append(m)
+        templated = [{**m, "content": f"{marker}{i}{marker}"} if self._has_control_token(m.get("content"))
+                     else m for i, m in enumerate(messages)]
         pieces = self.render_chat(templated, add_generation_prompt).split(marker)
         ids: list[int] = []
-        # split() alternates template text and (between a pair of markers) a content index.
+        # split() alternates template text and (between a pair of markers) a message index.
         for i, piece in enumerate(pieces):
             if i % 2 == 0:
                 ids += self.encode(piece, add_special_tokens=False)
             else:
-                ids += self.hf.encode(contents[int(piece)], add_special_tokens=False, split_special_tokens=True)
+                content = str(messages[int(piece)]["content"])
+                ids += self.hf.encode(content, add_special_tokens=False, split_special_tokens=True)
         return ids
 
 

@@ -34,9 +34,8 @@ class AttentionMetadata:
         return self.query_start_loc[self.num_decodes :] - self.num_decodes
 
 
-def prefill_metadata(
-    seq_lens: list[int], block_size: int, num_cached: list[int] | None = None, device: str | torch.device = "cpu"
-) -> tuple[AttentionMetadata, Tensor]:
+def prefill_metadata(seq_lens: list[int], block_size: int, num_cached: list[int] | None = None,
+                     device: str | torch.device = "cpu") -> tuple[AttentionMetadata, Tensor]:
     """Metadata for prefilling fresh sequences into consecutive blocks of an empty cache (tests, tools).
 
     Sequence i owns blocks laid out after sequence i-1's; ``num_cached[i]`` leading tokens are taken as

@@ -155,7 +155,8 @@ class LlamaModel(nn.Module):
                  dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, device, dtype, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, backend, device, dtype, tp)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
 
 
@@ -314,11 +315,8 @@ class LlamaForCausalLM(nn.Module):
         Raises ValueError for an unknown name, a shape mismatch or any parameter left unfilled.
         """
         params = dict(self.named_parameters())
-        missing: dict[str, set[int]] = {}
-        for name in params:
-            stem = name.rsplit(".", 1)[0]
-            shards = 3 if stem.endswith("qkv_proj") else 2 if stem.endswith("gate_up_proj") else 1
-            missing[name] = set(range(shards))
+        shards = {"qkv_proj": 3, "gate_up_proj": 2}  # checkpoint tensors per fused parameter; others take one
+        missing = {name: set(range(shards.get(name.split(".")[-2], 1))) for name in params}
         for hf_name, tensor in weights:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue

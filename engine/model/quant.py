@@ -18,6 +18,7 @@ explicitly named kernel for benchmarks/quantization_accuracy.py (which measures 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -63,14 +64,11 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-class Int8Weight:
-    """One linear's quantized, packed weight; calling it computes x W^T + b in x's dtype."""
-
-    def __call__(self, x: Tensor, bias: Tensor | None) -> Tensor:
-        raise NotImplementedError
+# One linear's quantized, packed weight; calling it computes x W^T + b in x's dtype.
+Int8Weight = Callable[[Tensor, Tensor | None], Tensor]
 
 
-class OneDNNInt8Weight(Int8Weight):
+class OneDNNInt8Weight:
     def __init__(self, weight: Tensor) -> None:
         q, self.scale = quantize_weight(weight)
         self.packed: Tensor = torch.ops.onednn.qlinear_prepack(q, None)
@@ -91,7 +89,7 @@ class OneDNNInt8Weight(Int8Weight):
         return out
 
 
-class FbgemmInt8Weight(Int8Weight):
+class FbgemmInt8Weight:
     def __init__(self, weight: Tensor) -> None:
         q, scale = quantize_weight(weight)
         with warnings.catch_warnings():
