@@ -109,8 +109,7 @@ def _open_hf_dir(path: Path) -> ModelFiles:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {path}")
-    tokenizer = Tokenizer.from_dir(path)
-    return ModelFiles(path, config, tokenizer, safetensors=files)
+    return ModelFiles(path, config, Tokenizer.from_dir(path), safetensors=files)
 
 
 # ---- GGUF files ----------------------------------------------------------------------------------
@@ -277,5 +276,4 @@ def _open_gguf(path: Path, default: bool) -> ModelFiles:
         eos_token_ids=frozenset() if eos is None else frozenset([int(eos)]),
         name=DEFAULT_MODEL_NAME if default else path.stem,
     )
-    tokenizer = Tokenizer.from_gguf(path)
-    return ModelFiles(path, config, tokenizer, gguf=gf)
+    return ModelFiles(path, config, Tokenizer.from_gguf(path), gguf=gf)

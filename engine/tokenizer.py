@@ -67,10 +67,8 @@ class Tokenizer:
         self._local = threading.local()
         self._local.hf = hf
         self._original = hf
-        eos = set(extra_eos_ids)
-        if hf.eos_token_id is not None:
-            eos.add(int(hf.eos_token_id))
-        self.eos_token_ids: frozenset[int] = frozenset(eos)
+        own = () if hf.eos_token_id is None else (int(hf.eos_token_id),)
+        self.eos_token_ids: frozenset[int] = frozenset((*extra_eos_ids, *own))
         self.vocab_size: int = len(hf)
         self._decode_mode = decode_mode(hf)
 
