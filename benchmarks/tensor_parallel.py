@@ -48,11 +48,12 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.distributed import DriverRunner  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.model.parallel import TensorParallel  # noqa: E402
-from engine.model.testing import make_tiny_model_dir  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 import machine  # noqa: E402
+from tiny_model import make_tiny_model_dir  # noqa: E402  (a random model of the real one's shape)
 
 SYNTHETIC: dict[str, Any] = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=72, vocab_size=49152, max_position_embeddings=2048,

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 from gateway_fixtures import LiveServer
+from tiny_model import make_tiny_tokenizer
 
 from engine.client import EngineClient
-from engine.model.testing import make_tiny_tokenizer
 from engine.protocol import EngineDeadError, EngineStats, KVSnapshot, QueueFullError, RequestDelta
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer

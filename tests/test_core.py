@@ -43,7 +43,7 @@ class Script:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> LLMEngine:
-    from engine.model.testing import make_tiny_model_dir
+    from tiny_model import make_tiny_model_dir
 
     return LLMEngine.from_args(str(make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))), **KW)
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 from timing import scaled
+from tiny_model import make_tiny_model_dir
 
 from engine import tp_group
 from engine.config import EngineConfig
 from engine.distributed import DriverRunner, RankDiedError
 from engine.engine import LLMEngine
 from engine.engine_process import ProcessEngine
-from engine.model.testing import make_tiny_model_dir
 from engine.protocol import EngineDeadError
 from engine.request import SamplingParams
 

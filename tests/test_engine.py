@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import make_tiny_model_dir
 
 from engine.engine import LLMEngine
 from engine.llm import LLM
-from engine.model.testing import make_tiny_model_dir
 from engine.request import SamplingParams
 
 

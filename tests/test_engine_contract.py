@@ -45,7 +45,7 @@ FAULT = "bad-"  # requests whose id starts with it fail inside the model run (LL
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.model.testing import make_tiny_model_dir
+    from tiny_model import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_model import make_tiny_model_dir
 
 from engine.engine import LLMEngine
 from engine.model.linear import SLOW_ROWS, probe_slow_rows
-from engine.model.testing import make_tiny_model_dir
 from engine.plan import ScheduledSeq
 from engine.request import SamplingParams, SequenceGroup
 from engine.runner import BlockTables, kv_pool

@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
+from tiny_model import make_tiny_model_dir
 
 from engine.async_engine import AsyncEngine
 from engine.engine import LLMEngine
 from engine.engine_process import ProcessEngine
-from engine.model.testing import make_tiny_model_dir
 from engine.protocol import EngineDeadError, RequestDelta
 from engine.request import SamplingParams
 

@@ -25,7 +25,7 @@ MAX_TOKENS = 3500  # long enough that the reply is still running when Redis goes
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, PersistentRedis]]:
-    from engine.model.testing import make_tiny_model_dir
+    from tiny_model import make_tiny_model_dir
 
     tmp = tmp_path_factory.mktemp("faults-redis")
     model = make_tiny_model_dir(tmp / "tiny", max_position_embeddings=4096)

@@ -30,7 +30,7 @@ GRACE_S = 1.5
 def model_for(kind: str, tmp: Path) -> tuple[str, list[str], int]:
     """(model path, extra serve args, max_tokens of a reply long enough to be killed in the middle)."""
     if kind == "tiny":
-        from engine.model.testing import make_tiny_model_dir
+        from tiny_model import make_tiny_model_dir
 
         model = make_tiny_model_dir(tmp / "tiny", max_position_embeddings=4096)
         return str(model), ["--max-model-len", "4096", "--num-kv-blocks", "320"], 3000

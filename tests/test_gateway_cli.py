@@ -72,7 +72,7 @@ def stop(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
 
 @pytest.mark.long
 def test_restart_keeps_sessions_and_leaves_no_redis(tmp_path: Path) -> None:
-    from engine.model.testing import make_tiny_model_dir
+    from tiny_model import make_tiny_model_dir
 
     model = make_tiny_model_dir(tmp_path)
     data = tmp_path / "data"

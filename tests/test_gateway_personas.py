@@ -8,7 +8,8 @@ from chatsvc.turns import event_id, parse_event_id
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
-    from engine.model.testing import make_tiny_tokenizer
+    from tiny_model import make_tiny_tokenizer
+
     from engine.tokenizer import Tokenizer
 
     d = tmp_path_factory.mktemp("tok")

@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 @pytest.fixture(scope="module")
 def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
+    from tiny_model import make_tiny_model_dir
+
     from engine.async_engine import AsyncEngine
-    from engine.model.testing import make_tiny_model_dir
 
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     model = make_tiny_model_dir(tmp_path_factory.mktemp("tiny"))

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_model import make_tiny_model_dir
 
 from engine.loader import load_model, unpermute_rotary
 from engine.model import ModelConfig
-from engine.model.testing import make_tiny_model_dir
 from engine.model_files import GGUFFile, default_model_path
 
 

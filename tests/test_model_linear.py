@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_model import make_tiny_model_dir
 
 from engine.engine import resolve_dtype
 from engine.loader import load_model
 from engine.model import linear
 from engine.model.linear import Linear, onednn_supports, resolve_linear_backend
-from engine.model.testing import make_tiny_model_dir
 
 # (out, in) of every projection of SmolLM2-135M: qkv, o, gate_up, down, and the tied LM head.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import make_tiny_model_dir
 from transformers import AutoModelForCausalLM
 
 from engine.loader import LoadedModel, load_model
 from engine.model.attention import AttentionMetadata, prefill_metadata
 from engine.model.linear import Linear
 from engine.model.quant import has_vnni
-from engine.model.testing import make_tiny_model_dir
 
 BLOCK = 4  # small blocks so short prompts span several blocks and the block tables matter
 

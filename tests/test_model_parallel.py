@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
+from tiny_model import make_tiny_model_dir
 
 from engine.loader import load_model
 from engine.model import ModelConfig
 from engine.model.attention import prefill_metadata
 from engine.model.linear import Linear
 from engine.model.parallel import RowParallelLinear, TensorParallel, check_tp_size, valid_tp_sizes
-from engine.model.testing import make_tiny_model_dir
 from engine.model_files import load_tokenizer
 
 BLOCK = 4

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_model import make_tiny_model_dir
 
 from chatsvc.cli import add_engine_arguments, engine_config
 from engine.config import EngineConfig
@@ -17,7 +18,6 @@ from engine.model import quant
 from engine.model.attention import prefill_metadata
 from engine.model.linear import Linear, onednn_supports
 from engine.model.quant import int8_kernel
-from engine.model.testing import make_tiny_model_dir
 
 # (out, in) of every projection of SmolLM2-135M: qkv, o, gate_up, down, and the tied LM head.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]

@@ -35,7 +35,7 @@ WORKER_FLAGS = ("--engine", "thread", "--engine-threads", "1", "--dtype", "float
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.model.testing import make_tiny_model_dir
+    from tiny_model import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), max_position_embeddings=16384)
 

@@ -29,8 +29,9 @@ A = {"Authorization": f"Bearer {KEY}"}
 
 
 def tiny_engine(tmp: Path) -> Any:
+    from tiny_model import make_tiny_model_dir
+
     from engine.async_engine import AsyncEngine
-    from engine.model.testing import make_tiny_model_dir
 
     return AsyncEngine.from_args(model=str(make_tiny_model_dir(tmp)), num_kv_blocks=64, max_model_len=256)
 

@@ -132,12 +132,12 @@ ENGINE_KW: dict[str, Any] = {"dtype": "float32", "attention_backend": "torch", "
 @pytest.fixture(scope="module")
 def live(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LiveServer, Any]]:  # noqa: F811
     import redis as sync_redis
+    from tiny_model import make_tiny_model_dir
 
     from chatsvc.app import create_app
     from chatsvc.settings import Settings
     from chatsvc.store import Store
     from engine.engine_process import ProcessEngine
-    from engine.model.testing import make_tiny_model_dir
 
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     tiny = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-slow"), arch="llama", max_position_embeddings=2048)
@@ -293,8 +293,9 @@ def test_a_reader_past_the_hard_cap_is_cut_off_with_an_error_and_its_request_abo
 @pytest.mark.timeout(300)
 def test_the_thread_engine_bounds_a_slow_readers_queue_too(tmp_path: Path) -> None:
     """The same queues behind ``--engine thread``: merged while under the cap, aborted past it."""
+    from tiny_model import make_tiny_model_dir
+
     from engine.async_engine import AsyncEngine
-    from engine.model.testing import make_tiny_model_dir
     from engine.request import SamplingParams
 
     tiny = make_tiny_model_dir(tmp_path, arch="llama", max_position_embeddings=2048)

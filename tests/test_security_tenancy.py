@@ -31,8 +31,9 @@ NUM_BLOCKS = 64  # the default cap (25%) is 16 blocks = 256 tokens
 
 
 def tiny_engine(tmp: Path) -> Any:
+    from tiny_model import make_tiny_model_dir
+
     from engine.async_engine import AsyncEngine
-    from engine.model.testing import make_tiny_model_dir
 
     return AsyncEngine.from_args(model=str(make_tiny_model_dir(tmp)), num_kv_blocks=NUM_BLOCKS, block_size=BLOCK,
                                  max_model_len=512)

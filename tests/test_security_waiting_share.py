@@ -25,12 +25,12 @@ ENGINE_KW: dict[str, Any] = {"dtype": "float32", "attention_backend": "torch", "
 @pytest.fixture(scope="module")
 def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:  # noqa: F811
     import redis as sync_redis
+    from tiny_model import make_tiny_model_dir
 
     from chatsvc.app import create_app
     from chatsvc.settings import Settings
     from chatsvc.store import Store
     from engine.engine_process import ProcessEngine
-    from engine.model.testing import make_tiny_model_dir
 
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     tiny = make_tiny_model_dir(tmp_path_factory.mktemp("tiny-share"), arch="llama", max_position_embeddings=65536)

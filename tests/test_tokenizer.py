@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from tiny_model import make_tiny_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import engine.tokenizer as tokmod
-from engine.model.testing import make_tiny_tokenizer
 from engine.model_files import default_model_path
 from engine.tokenizer import Tokenizer, decode_mode, gguf_tokenizer_dir
 
