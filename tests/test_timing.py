@@ -37,7 +37,7 @@ def test_load_beyond_the_cores_slows_in_proportion(monkeypatch: pytest.MonkeyPat
 
 def test_timeout_markers_are_scaled_when_a_test_starts(tmp_path: Path) -> None:
     """With the project's conftest, a 0.1 s marker on a 0.3 s test passes at a scale of 10, fails at 1."""
-    for name in ("conftest.py", "timing.py"):
+    for name in ("conftest.py", "timing.py", "background.py"):
         shutil.copy(HERE / name, tmp_path / name)
     (tmp_path / "test_sleep.py").write_text(textwrap.dedent("""\
         import time
