@@ -53,7 +53,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
-import llguidance.hf
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -278,6 +277,8 @@ class GrammarCompiler:
         """From a transformers fast tokenizer (``engine.tokenizer.Tokenizer.hf``); about a second for a 49k
         vocabulary, so build one per process. ``eos_token_ids``: what ends a constrained reply (the model's
         stop tokens; the tokenizer's EOS when empty)."""
+        import llguidance.hf  # imports transformers (a second): engine.request imports this module
+
         eos = sorted(eos_token_ids) or None
         return cls(llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos), **kwargs)
 

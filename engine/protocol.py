@@ -188,6 +188,9 @@ def _params(data: Any) -> SamplingParams:
     offset = data.get("seed_offset", 0)
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= MAX_SEED_OFFSET:
         raise ProtocolError(f"seed_offset must be an integer in [0, {MAX_SEED_OFFSET}]")
+    grammar = data.get("grammar")
+    if isinstance(grammar, dict) and len(str(grammar.get("schema", ""))) > MAX_TEXT_CHARS:
+        raise ProtocolError(f"a grammar's schema is limited to {MAX_TEXT_CHARS} characters")
     try:
         return SamplingParams(**data)
     except (TypeError, ValueError) as exc:

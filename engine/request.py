@@ -10,12 +10,16 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from math import isfinite
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from engine.beam import BeamSearch
+from engine.grammar import GrammarSpec
+
+if TYPE_CHECKING:
+    from engine.grammar import CompiledGrammar, GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -56,12 +60,17 @@ class SamplingParams:
     best_of: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Structured output (``engine.grammar``): the reply follows this JSON schema or tool-call grammar. A spec,
+    # not a compiled grammar, so that it crosses every transport; each engine compiles it for its tokenizer.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.grammar, Mapping):  # its JSON form, as engine.protocol decodes it
+            self.grammar = _grammar_spec(self.grammar)
         self.validate()
 
     def validate(self) -> None:
@@ -95,6 +104,8 @@ class SamplingParams:
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         if self.use_beam_search:
             self._validate_beam_search()
         elif self.best_of not in (None, self.n):
@@ -119,6 +130,9 @@ class SamplingParams:
             raise ValueError("stop strings are not supported with beam search; use stop_token_ids")
         if not isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.grammar is not None:
+            # Beams are ranked on the model's own log-probabilities, which a mask would silently reshape.
+            raise ValueError("beam search does not take structured outputs (response_format, a grammar)")
 
     @property
     def greedy(self) -> bool:
@@ -137,6 +151,17 @@ class SamplingParams:
         return self.beam_width or self.n
 
 
+def _grammar_spec(data: Mapping[str, Any]) -> GrammarSpec:
+    """A ``GrammarSpec`` from its JSON form (``dataclasses.asdict``'s): exactly its fields, of their types."""
+    unknown = set(data) - {"kind", "schema", "parallel"}
+    if unknown:
+        raise ValueError(f"unknown grammar fields: {sorted(unknown)[:5]}")
+    kind, schema, parallel = data.get("kind"), data.get("schema", ""), data.get("parallel", False)
+    if not (isinstance(kind, str) and isinstance(schema, str) and isinstance(parallel, bool)):
+        raise ValueError("grammar must be {\"kind\": str, \"schema\": str, \"parallel\": bool}")
+    return GrammarSpec(kind, schema, parallel)  # type: ignore[arg-type]  # __post_init__ checks the kind
+
+
 _seq_counter = itertools.count()
 
 
@@ -153,6 +178,9 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.output_text = ""
         self.output_logprobs: list[dict[int, float]] = []
+        # Where the output is in its request's grammar (None without one). It follows the accepted output
+        # tokens only, so a preemption (recompute or swap) leaves it as it is.
+        self.grammar: GrammarState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -211,6 +239,8 @@ class SequenceGroup:
         # ``seqs`` holds the ``n`` best hypotheses.
         self.beam = BeamSearch(sampling_params.beam_width, sampling_params.length_penalty,
                                sampling_params.early_stopping) if sampling_params.use_beam_search else None
+        # The request's grammar compiled by the engine that runs it; each sequence copies its start state.
+        self.grammar: CompiledGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

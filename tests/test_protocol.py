@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 
 import pytest
 
+from engine.grammar import GrammarSpec
 from engine.protocol import (
+    MAX_TEXT_CHARS,
     Abort,
     AddRequest,
     CallReply,
@@ -109,3 +112,25 @@ def test_the_seam_imports_no_torch() -> None:
             "assert not bad, bad[:5]\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_grammar_crosses_json_and_pickle_as_the_spec_it_was() -> None:
+    """The Redis transport carries a request's grammar as JSON, the process transport pickles it: both give
+    the engine the same spec (same key, so the same cached compile)."""
+    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    for grammar in (spec, GrammarSpec.json_object(), GrammarSpec("tool_calls", '{"type":"object"}', True)):
+        cmd = AddRequest("r", SamplingParams(max_tokens=9, grammar=grammar), [1, 2])
+        back = decode_command(through_json(encode_command(cmd)))
+        assert back == cmd and isinstance(back, AddRequest) and back.params.grammar is not None
+        assert back.params.grammar.key == grammar.key
+        assert pickle.loads(pickle.dumps(cmd)) == cmd
+
+
+@pytest.mark.parametrize("grammar", [
+    "json_object", {"kind": "regex", "schema": "a+"}, {"kind": "json_object", "schema": "{}"},
+    {"kind": "json_schema"}, {"kind": "json_schema", "schema": 5}, {"kind": "json_object", "parallel": "yes"},
+    {"kind": "json_object", "lark": "start: x"}, {"kind": "json_schema", "schema": "x" * (MAX_TEXT_CHARS + 1)},
+])
+def test_malformed_grammars_are_protocol_errors(grammar: object) -> None:
+    with pytest.raises(ProtocolError):
+        decode_command({"type": "add", "request_id": "r", "params": {"grammar": grammar}, "prompt_token_ids": [1]})
