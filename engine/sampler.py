@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from engine.beam import end_tokens, num_candidates
+from engine.grammar import apply_bitmask
 from engine.request import SamplingParams
 
 _MASK = float("-inf")
@@ -42,11 +43,19 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]
     eos_token_ids: frozenset[int]
+    # Structured outputs: the rows under a grammar, and ``engine.grammar``'s bitmask of their allowed tokens
+    # (a row per batch row; only ``grammar_rows`` are read) for a grammar vocabulary of ``grammar_vocab``.
+    grammar_rows: tuple[int, ...] = ()
+    bitmask: Tensor | None = None
+    grammar_vocab: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.params)
         if not (len(self.prompt_token_ids) == len(self.output_token_ids) == len(self.generators) == n):
             raise ValueError("SamplingBatch lists must all have one entry per row")
+        mask = self.bitmask
+        if self.grammar_rows and (mask is None or mask.shape[0] != n or self.grammar_vocab < 1):
+            raise ValueError("grammar rows need a bitmask with a row per batch row and a grammar vocab size")
 
 
 @dataclass(frozen=True)
@@ -193,6 +202,13 @@ class Sampler:
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(batch.params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(batch.params)} rows")
+        if batch.grammar_rows:
+            assert batch.bitmask is not None
+            # In place, before anything reads the logits: greedy, sampling and logprobs all see the grammar's
+            # choices only, and the other rows are not touched (bit for bit). The runner's logits are inference
+            # tensors, which only inference mode may write.
+            with torch.inference_mode():
+                apply_bitmask(logits, batch.bitmask, batch.grammar_rows, batch.grammar_vocab)
         out = self._pick(logits, batch)
         beam_rows = [i for i, p in enumerate(batch.params) if p.use_beam_search]
         if not beam_rows:
@@ -232,7 +248,8 @@ class Sampler:
             token_ids: list[int] = self.argmax(logits).tolist()
             if all(n is None for n in logprobs):
                 return SamplerOutput(token_ids, [None] * len(params))
-            return SamplerOutput(token_ids, self._gather_logprobs(logits.float(), token_ids, logprobs))
+            return SamplerOutput(token_ids, self._gather_logprobs(logits.float(), token_ids, logprobs,
+                                                                  batch.grammar_rows))
         logits = logits.float()
 
         if plain:
@@ -252,7 +269,8 @@ class Sampler:
         if random_rows:
             for i, tok in zip(random_rows, self._sample(processed, random_rows, batch), strict=True):
                 token_ids[i] = tok
-        return SamplerOutput(token_ids, self._gather_logprobs(logits, token_ids, logprobs))
+        lps = self._gather_logprobs(logits, token_ids, logprobs, batch.grammar_rows)
+        return SamplerOutput(token_ids, lps)
 
     def _sample(self, logits: Tensor, rows: list[int], batch: SamplingBatch) -> list[int]:
         device = logits.device
@@ -325,8 +343,10 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _gather_logprobs(logits: Tensor, token_ids: list[int], wanted: list[int | None]
-                         ) -> list[dict[int, float] | None]:
+    def _gather_logprobs(logits: Tensor, token_ids: list[int], wanted: list[int | None],
+                         masked: Sequence[int] = ()) -> list[dict[int, float] | None]:
+        """``masked``: grammar rows, whose top tokens stop at the last one the grammar allows (a -inf logprob
+        is no answer, and no transport's JSON carries it)."""
         rows = [i for i, n in enumerate(wanted) if n is not None]
         result: list[dict[int, float] | None] = [None] * len(wanted)
         if not rows:
@@ -340,6 +360,8 @@ class Sampler:
         for r, i in enumerate(rows):
             n = wanted[i] or 0
             entry = dict(zip(top_ids_l[r][:n], top_vals_l[r][:n], strict=True))
+            if i in masked:
+                entry = {t: v for t, v in entry.items() if v != _MASK}
             entry.setdefault(token_ids[i], sampled_l[r])
             result[i] = entry
         return result

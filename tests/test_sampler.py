@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from engine.grammar import allocate_bitmask
 from engine.request import SamplingParams
 from engine.sampler import (
     HEAD_WIDTH,
@@ -295,3 +296,61 @@ def test_batch_shape_mismatch_is_rejected() -> None:
         Sampler()(torch.zeros(2, 5), batch_of([SamplingParams()]))
     with pytest.raises(ValueError):
         SamplingBatch([SamplingParams()], [[0]], [], [None], frozenset())
+
+
+# -- structured outputs: grammar rows ---------------------------------------------------------------------
+def _allow(bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
+    """Row ``row`` of an ``engine.grammar`` bitmask allows exactly ``tokens``."""
+    bits = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
+    bits[tokens] = True
+    weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
+    bitmask[row] = (bits.view(-1, 32).long() * weights).sum(dim=1).to(torch.int32)  # wraps bit 31 to the sign
+
+
+def test_grammar_rows_pick_allowed_tokens_and_other_rows_are_untouched() -> None:
+    """Greedy, sampled and logprob rows under a grammar choose among its tokens only; the other rows' logits
+    stay bit for bit what they were, so their tokens equal a batch without grammar rows."""
+    vocab = 1000
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=5),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9, logprobs=3),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    allowed = {1: [3, 500, 999], 2: [7, 31, 32, 640], 3: [12]}
+    bitmask = allocate_bitmask(len(params), vocab)
+    for row, tokens in allowed.items():
+        _allow(bitmask, row, tokens)
+    logits = random_logits(len(params), vocab, seed=3)
+    plain_rows = [0, 4]
+    before = logits[plain_rows].clone()
+    plain = Sampler()(logits.clone(), batch_of(params))
+    batch = SamplingBatch(params, [[0]] * 5, [[] for _ in params], [None] * 5, frozenset({EOS}),
+                          grammar_rows=tuple(allowed), bitmask=bitmask, grammar_vocab=vocab)
+    out = Sampler()(logits, batch)
+    assert torch.equal(logits[plain_rows], before)
+    for row in plain_rows:
+        assert out.token_ids[row] == plain.token_ids[row] and out.logprobs[row] == plain.logprobs[row]
+    for row, tokens in allowed.items():
+        assert out.token_ids[row] in tokens
+        assert bool(torch.isinf(logits[row]).sum() == vocab - len(tokens))
+        lps = out.logprobs[row]
+        if lps is not None:  # the grammar's tokens only (fewer than asked for), renormalized: no -inf
+            assert set(lps) == set(tokens) and all(math.isfinite(v) for v in lps.values())
+            assert math.isclose(sum(math.exp(v) for v in lps.values()), 1.0, rel_tol=1e-5)
+    assert out.token_ids[1] == max(allowed[1], key=lambda t: float(logits[1, t]))
+
+
+def test_grammar_mask_blocks_logits_past_the_grammar_vocabulary() -> None:
+    """A model may pad its LM head past the tokenizer's vocabulary; those logits are never picked."""
+    bitmask = allocate_bitmask(1, 64)
+    logits = torch.zeros(1, 80)
+    logits[0, 70] = 100.0  # a padding column the model happens to like
+    batch = SamplingBatch([SamplingParams(temperature=0.0)], [[0]], [[]], [None], frozenset({EOS}),
+                          grammar_rows=(0,), bitmask=bitmask, grammar_vocab=64)
+    assert Sampler()(logits, batch).token_ids[0] < 64
+
+
+def test_grammar_rows_need_their_bitmask() -> None:
+    with pytest.raises(ValueError, match="bitmask"):
+        SamplingBatch([SamplingParams()], [[0]], [[]], [None], frozenset(), grammar_rows=(0,))
+    with pytest.raises(ValueError, match="bitmask"):
+        SamplingBatch([SamplingParams()], [[0]], [[]], [None], frozenset(), grammar_rows=(0,),
+                      bitmask=allocate_bitmask(2, 64), grammar_vocab=64)
