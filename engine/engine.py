@@ -20,6 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import RankDiedError, make_runner, rank_zero, threads_per_rank
+from engine.grammar import GrammarCompiler, GrammarState, allocate_bitmask, fill_bitmask
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
 from engine.plan import ScheduledSeq, SchedulerOutput
@@ -138,6 +139,7 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}
+        self._grammars: GrammarCompiler | None = None
         self._fault_prefix = fault_request_prefix
         self._failures: list[tuple[str, BaseException]] = []
 
@@ -162,9 +164,23 @@ class LLMEngine:
         return make_request(self.request_limits, self.tokenizer.encode, request_id, sampling_params, prompt,
                             prompt_token_ids)
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Built by the first request with a grammar (about a second for a 49k vocabulary), so that engines
+        that never see one never pay for it."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler.from_hf(self.tokenizer.hf, self.model_config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammars
+
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self._groups:
             raise ValueError(f"request id {group.request_id!r} is already in use")
+        spec = group.sampling_params.grammar
+        if spec is not None and group.grammar is None:
+            # A GrammarError is a ValueError: the request is refused before it is queued. Cached by the spec's
+            # key, so only a schema's first request waits for its compile (milliseconds).
+            group.grammar = self.grammar_compiler.compile(spec)
         self.scheduler.add(group)
         self._groups[group.request_id] = group
 
@@ -330,11 +346,30 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, rows: list[tuple[int, SequenceGroup, Sequence]]) -> SamplerOutput:
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor([i for i, _, _ in rows], device=logits.device)]
+        states = {r: self._grammar_state(g, s) for r, (_, g, s) in enumerate(rows) if g.grammar is not None}
+        bitmask = None
+        if states:
+            bitmask = allocate_bitmask(len(rows), self.grammar_compiler.vocab_size)
+            fill_bitmask(bitmask, states)  # the rows in parallel, on llguidance's threads
         groups, seqs = [g for _, g, _ in rows], [s for _, _, s in rows]
         batch = SamplingBatch([g.sampling_params for g in groups], [s.prompt_token_ids for s in seqs],
                               [s.output_token_ids for s in seqs], [self._generator(g, s) for _, g, s in rows],
-                              self.eos_token_ids)
+                              self.eos_token_ids, grammar_rows=tuple(states), bitmask=bitmask,
+                              grammar_vocab=self.grammar_compiler.vocab_size if states else 0)
         return self.sampler(logits, batch)
+
+    @staticmethod
+    def _grammar_state(group: SequenceGroup, seq: Sequence) -> GrammarState:
+        """``seq``'s place in its request's grammar, started at its first sample (each of ``n`` samples gets
+        its own). A request dispatched again after a failover carries the tokens already sampled at the end of
+        its prompt (``seed_offset`` of them): the grammar starts past them, where the reply is."""
+        if seq.grammar is None:
+            assert group.grammar is not None
+            seq.grammar = GrammarState(group.grammar)
+            done = group.sampling_params.seed_offset
+            for token in seq.prompt_token_ids[len(seq.prompt_token_ids) - done:] if done else ():
+                seq.grammar.accept(token)
+        return seq.grammar
 
     def _postprocess(self, rows: list[tuple[int, SequenceGroup, Sequence]], result: SamplerOutput
                      ) -> list[RequestDelta]:
@@ -429,6 +464,10 @@ class LLMEngine:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
+        grammar = seq.grammar
+        if grammar is not None and not grammar.accept(token):
+            log.error("request %s sampled token %d outside its grammar: %s", group.request_id, token,
+                      grammar.error)
         detok = self._detok.get(seq.seq_id)
         if detok is None:
             detok = self._detok[seq.seq_id] = self._detokenizer(seq, params)
@@ -441,6 +480,11 @@ class LLMEngine:
                 seq.stop_reason = step.stop_str
             elif step.stop_token_id not in self.eos_token_ids:
                 seq.stop_reason = step.stop_token_id
+        elif grammar is not None and grammar.terminated:
+            # The output is complete (only EOS may follow): it stops here, without a step to sample that EOS.
+            # A state in error ends too, but not as "stop": "stop" promises output that follows the grammar.
+            reason = "abort" if grammar.error else "stop"
+            text += detok.flush()
         elif (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
               or seq.num_tokens >= self.max_model_len):
             reason = "length"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from tiny_model import make_tiny_model_dir
 
 from engine.engine import LLMEngine
+from engine.grammar import GrammarError, GrammarSpec
 from engine.llm import LLM
 from engine.request import SamplingParams
 
@@ -212,3 +214,85 @@ def test_cpu_backend_matches_torch(tiny_dir: Path) -> None:
     assert stats.preemptions_swap + stats.preemptions_recompute > 0
     for a, b in zip(torch_out, cpu_out, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+# -- structured outputs (engine.grammar) ------------------------------------------------------------------
+ITEM = {"type": "object", "required": ["color", "n", "name"],
+        "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                       "name": {"type": "string", "maxLength": 12}}}
+
+
+def _valid_item(text: str) -> None:
+    item = json.loads(text)
+    assert set(item) == {"color", "n", "name"}, item  # no junk keys: strict objects are closed
+    assert item["color"] in ("red", "green") and 0 <= item["n"] <= 9 and len(item["name"]) <= 12
+
+
+def test_grammar_rows_batch_with_plain_rows_that_stay_unchanged(tiny_dir: Path) -> None:
+    """A random model still writes JSON of the schema under the grammar, each of n samples its own, ending
+    with "stop" as soon as the object closes; the plain rows batched with them get the tokens they get
+    alone."""
+    llm = _llm(tiny_dir)
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = GrammarSpec.json_schema(ITEM)
+    alone = llm.generate(PROMPTS, plain)
+    params = [SamplingParams(temperature=0.0, max_tokens=64, grammar=spec) if i % 2 else plain
+              for i in range(len(PROMPTS))]
+    params[0] = SamplingParams(temperature=1.0, n=3, seed=7, max_tokens=64, grammar=spec)
+    mixed = llm.generate(PROMPTS, params)
+    for i, (a, m) in enumerate(zip(alone, mixed, strict=True)):
+        if params[i].grammar is None:
+            assert m.outputs[0].token_ids == a.outputs[0].token_ids
+            continue
+        assert len(m.outputs) == params[i].n
+        for out in m.outputs:
+            assert out.finish_reason == "stop" and out.stop_reason is None
+            _valid_item(out.text)
+    assert len({o.text for o in mixed[0].outputs}) > 1  # the samples went their own ways
+    assert llm.stats().kv_blocks_free == llm.stats().kv_blocks_total
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_grammar_output(tiny_dir: Path, mode: str) -> None:
+    """The grammar state follows accepted tokens only: a sequence preempted mid-object (its KV swapped out, or
+    dropped and prefilled again) goes on with the same tokens as one never preempted."""
+    spec = GrammarSpec.json_schema(ITEM)
+    # Grammar rows on the short prompts: the long one and a reply of ~50 tokens would not fit max_model_len.
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.0, max_tokens=64, grammar=spec) for i in range(len(PROMPTS))]
+    reference = _llm(tiny_dir).generate(PROMPTS, params)
+    small = _llm(tiny_dir, num_kv_blocks=32, max_model_len=128, preemption_mode=mode, max_num_batched_tokens=64)
+    outs = small.generate(PROMPTS, params)
+    assert getattr(small.stats(), f"preemptions_{mode}") > 0
+    for p, r, o in zip(params, reference, outs, strict=True):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        if p.grammar is not None:
+            _valid_item(o.outputs[0].text)
+
+
+def test_grammar_resumes_after_the_tokens_a_failover_carries(tiny_dir: Path) -> None:
+    """A request dispatched again carries its sampled tokens in the prompt (``seed_offset`` of them): the
+    grammar starts past them, so the rest of the reply is what an uninterrupted run wrote."""
+    llm = _llm(tiny_dir)
+    spec = GrammarSpec.json_schema(ITEM)
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    whole = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=64, grammar=spec))[0].outputs[0].token_ids
+    done = len(whole) // 2
+    rest = llm.generate(prompt_token_ids=[ids + whole[:done]], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=64, grammar=spec, seed_offset=done))[0].outputs[0]
+    assert whole[:done] + rest.token_ids == whole and rest.finish_reason == "stop"
+
+
+def test_bad_grammar_requests_are_refused_before_queueing(tiny_dir: Path) -> None:
+    llm = _llm(tiny_dir)
+    eng = llm.engine
+    with pytest.raises(GrammarError, match="schema"):
+        eng.add_request("bad", SamplingParams(grammar=GrammarSpec.json_schema({"type": "object", "minProperties":
+                                                                               "x"})), prompt="hi")
+    with pytest.raises(ValueError, match="beam search"):
+        SamplingParams(use_beam_search=True, best_of=2, n=1, temperature=0.0, grammar=GrammarSpec.json_object())
+    assert not eng.has_unfinished()
+    out = llm.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=40,
+                                              grammar=GrammarSpec.json_object()))[0].outputs[0]
+    assert out.finish_reason == "length" or isinstance(json.loads(out.text), dict)

@@ -7,6 +7,7 @@ top-2 logits (< 1e-3), which float32 summation order can legitimately flip.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 from model_fixtures import hf_greedy, hf_reference  # noqa: F401
 
+from engine.grammar import GrammarSpec
 from engine.llm import LLM
 from engine.request import SamplingParams
 
@@ -148,3 +150,30 @@ def test_bfloat16_logprobs_track_float32(llm: LLM, prompts: list[list[int]]) -> 
         assert ref_top[0] in got_top[:2]
         assert len(set(ref_top) & set(got_top)) >= 3
         assert abs(ref.logprobs[0][ref_top[0]] - got.logprobs[0].get(ref_top[0], -99.0)) < 0.3
+
+
+CAPITAL = {"type": "object", "required": ["city", "country", "population"],
+           "properties": {"city": {"type": "string", "maxLength": 40},
+                          "country": {"type": "string", "maxLength": 40},
+                          "population": {"type": "integer", "minimum": 0}}}
+
+
+def test_json_schema_reply_parses_and_plain_rows_keep_parity(llm: LLM, reference: Any, prompts: list[list[int]],
+                                                             expected: list[list[int]]) -> None:
+    """Greedy generation under a JSON schema ends with "stop" in JSON that has the schema's fields (a 135M
+    model left alone writes prose around it), while the plain rows in the same batches still match
+    transformers token for token."""
+    ask = llm.tokenizer.apply_chat_template([{"role": "user", "content": (
+        "Give the capital of France as JSON with the keys city, country and population.")}])
+    structured = SamplingParams(temperature=0.0, max_tokens=64, grammar=GrammarSpec.json_schema(CAPITAL))
+    outs = llm.generate(prompt_token_ids=[ask, *prompts, ask],
+                        sampling_params=[structured] + [_params()] * len(prompts) + [structured])
+    for out in (outs[0], outs[-1]):
+        reply = out.outputs[0]
+        assert reply.finish_reason == "stop", reply
+        value = json.loads(reply.text)
+        assert set(value) == {"city", "country", "population"} and isinstance(value["population"], int)
+        assert value["city"] == "Paris", value
+    assert outs[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+    for ids, want, out in zip(prompts, expected, outs[1:-1], strict=True):
+        _assert_parity(reference, ids, want, out.outputs[0].token_ids)
