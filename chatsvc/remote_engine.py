@@ -375,8 +375,10 @@ class RemoteEngine(EngineClient):
         if not done:
             return params
         max_tokens = None if params.max_tokens is None else max(1, params.max_tokens - done)
-        # A seeded row draws one number per token: the new worker's generator skips the ``done`` drawn before.
-        offset = params.seed_offset + done if params.seed is not None else params.seed_offset
+        # A seeded row draws one number per token: the new worker's generator skips the ``done`` drawn before;
+        # a grammar starts past the ``done`` tokens, which are the end of the new prompt.
+        carried = params.seed is not None or params.grammar is not None
+        offset = params.seed_offset + done if carried else params.seed_offset
         return dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done),
                                    seed_offset=offset)
 

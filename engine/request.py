@@ -44,7 +44,8 @@ class SamplingParams:
     seed: int | None = None
     # Draws of the seeded generator to skip before the first token: the tokens an earlier dispatch of this
     # request already sampled (a failover re-dispatches it with those tokens in the prompt), so the seeded
-    # stream goes on where it was instead of starting again.
+    # stream goes on where it was instead of starting again. A request with a grammar counts them too: its
+    # grammar starts past the last ``seed_offset`` prompt tokens, where the reply is.
     seed_offset: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -24,6 +24,7 @@ from scaleout_workers import TINY_FLAGS, WorkerProc
 
 from chatsvc.remote_engine import RemoteEngine
 from engine.client import StreamLimits
+from engine.grammar import GrammarSpec
 from engine.protocol import EngineDeadError, RequestDelta, StreamOverflowError
 from engine.request import SamplingParams
 from engine.streams import Keys
@@ -286,6 +287,13 @@ def test_a_seed_offset_skips_exactly_the_draws_made_before() -> None:
     assert [torch.rand(1, generator=resumed, dtype=torch.float64).item() for _ in range(2)] == draws[5:]
     assert RemoteEngine._rest(SamplingParams(seed=1, max_tokens=10), 4).seed_offset == 4
     assert RemoteEngine._rest(SamplingParams(max_tokens=10), 4).seed_offset == 0
+
+
+def test_a_failover_tells_a_grammar_how_many_prompt_tokens_are_its_reply() -> None:
+    """The engine starts a re-dispatched request's grammar past the last ``seed_offset`` prompt tokens
+    (tests/test_engine.py checks that it resumes there), seeded or not."""
+    params = SamplingParams(max_tokens=10, grammar=GrammarSpec.json_object())
+    assert RemoteEngine._rest(params, 4).seed_offset == 4
 
 
 async def test_sigterm_drains_the_running_request_then_leaves(gateway: RemoteEngine,
