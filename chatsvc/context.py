@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pydantic
@@ -19,6 +19,7 @@ from chatsvc.personas import Personas
 from chatsvc.quotas import Quotas
 from chatsvc.settings import Settings
 from chatsvc.store import Store
+from chatsvc.structured import Grammars
 from engine.client import EngineClient
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class Gateway:
     offload: Offload
     quotas: Quotas
     engine_ready: bool = False
+    grammars: Grammars = field(default_factory=Grammars)
 
     def session_turns(self, owner: str) -> int:
         """Replies running in ``owner``'s sessions (their generations, for the concurrency quota)."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatsvc.errors import APIError
+from engine.grammar import GrammarSpec
 from engine.request import SamplingParams
 
 
@@ -40,6 +41,9 @@ _UNSUPPORTED: dict[str, Any] = {
 class SamplingFields(_Lenient):
     """Sampling knobs shared by the OpenAI routes, session messages and WebSocket frames."""
 
+    # Fields of ``_UNSUPPORTED`` that this schema does support (declares and acts on).
+    supported: ClassVar[frozenset[str]] = frozenset()
+
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
@@ -60,7 +64,7 @@ class SamplingFields(_Lenient):
     def _no_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, harmless in _UNSUPPORTED.items():
-                if name in data and not harmless(data[name], data):
+                if name in data and name not in cls.supported and not harmless(data[name], data):
                     raise APIError(400, f"'{name}' is not supported by this server", code="unsupported_parameter",
                                    param=name)
         return data
@@ -77,7 +81,8 @@ class SamplingFields(_Lenient):
             raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
         return v
 
-    def sampling_params(self, max_tokens: int, n: int = 1, logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, n: int = 1, logprobs: int | None = None,
+                        grammar: GrammarSpec | None = None) -> SamplingParams:
         """The engine's parameters; a combination the engine refuses is a 400 (``invalid_value``)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
@@ -97,6 +102,7 @@ class SamplingFields(_Lenient):
                 max_tokens=max_tokens,
                 min_tokens=min(self.min_tokens, max_tokens),
                 logprobs=logprobs,
+                grammar=grammar,
                 **self._beam_params(),
             )
         except ValueError as exc:
@@ -125,7 +131,42 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Lenient):
+    """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the output is always
+    held to the schema (with closed objects, as strict mode has them; ``engine.grammar``)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    # ``schema`` would shadow BaseModel.schema(); absent, any JSON object will do (as json_object).
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response_format needs its json_schema object")
+        self.spec()  # a GrammarError (a ValueError) is a 400 now, before anything is compiled
+        return self
+
+    def spec(self) -> GrammarSpec | None:
+        """The grammar the reply must follow; None for text."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            return GrammarSpec.json_object()
+        return GrammarSpec.json_schema(self.json_schema.schema_)
+
+
 class _OpenAIBase(SamplingFields):
+    supported = frozenset({"response_format"})
     model: str | None = None
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
@@ -137,6 +178,10 @@ class _OpenAIBase(SamplingFields):
     best_of: Annotated[int, Field(ge=1)] | None = None
     length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0
     early_stopping: bool | Literal["never"] = False
+    response_format: ResponseFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        return None if self.response_format is None else self.response_format.spec()
 
     def _beam_params(self) -> dict[str, Any]:
         if not self.use_beam_search:

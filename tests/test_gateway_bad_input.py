@@ -135,8 +135,13 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
     ("stop-token-id-huge", "POST", "/v1/chat/completions", chat(stop_token_ids=[2**40]), A, 400, "invalid_value"),
     ("stop-string-too-long", "POST", "/v1/chat/completions", chat(stop=["x" * 257]), A, 400, "invalid_value"),
     ("logit-bias", "POST", "/v1/chat/completions", chat(logit_bias={"5": 100}), A, 400, "unsupported_parameter"),
-    ("response-format-json", "POST", "/v1/chat/completions", chat(response_format={"type": "json_object"}), A, 400,
-     "unsupported_parameter"),
+    ("response-format-type", "POST", "/v1/chat/completions", chat(response_format={"type": "yaml"}), A, 400,
+     "invalid_value"),
+    ("response-format-bad-schema", "POST", "/v1/chat/completions", chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "x"}}}),
+     A, 400, "invalid_value"),
+    ("response-format-schema-not-object", "POST", "/v1/completions", {"prompt": "hi", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, A, 400, "invalid_value"),
     ("tools", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), A, 400,
      "unsupported_parameter"),
     ("best-of", "POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, A, 400, "unsupported_parameter"),
