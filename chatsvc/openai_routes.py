@@ -162,9 +162,8 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
     chat = isinstance(req, ChatCompletionRequest)
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     obj = "chat.completion" if chat else "text_completion"
-    grammar = req.grammar()
-    await gw.grammars.check(gw.engine.tokenizer, grammar)  # a 400 before the engine sees it
-    params = req.sampling_params(max_tokens, req.n, logprobs, grammar)
+    await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a 400 before the engine sees it
+    params = req.sampling_params(max_tokens, req.n, logprobs)
     gen = Generation(gw.engine, gw.metrics, rid, params, prompt_ids, gw.settings.retry_after_s)
     gw.quotas.start_stream(owner, gw.session_turns(owner))
     try:

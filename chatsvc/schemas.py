@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,7 +24,6 @@ MAX_STOP_CHARS = 256  # the detokenizer holds back up to this much text per toke
 # ask for. Each maps to the test that says a value is the default (so it may be sent and is harmless).
 _UNSUPPORTED: dict[str, Any] = {
     "logit_bias": lambda v, d: not v,
-    "response_format": lambda v, d: v is None or v == {"type": "text"},
     "tools": lambda v, d: not v,
     "tool_choice": lambda v, d: v in (None, "none"),
     "functions": lambda v, d: not v,
@@ -36,99 +35,6 @@ _UNSUPPORTED: dict[str, Any] = {
     "guided_choice": lambda v, d: v is None,
     "guided_grammar": lambda v, d: v is None,
 }
-
-
-class SamplingFields(_Lenient):
-    """Sampling knobs shared by the OpenAI routes, session messages and WebSocket frames."""
-
-    # Fields of ``_UNSUPPORTED`` that this schema does support (declares and acts on).
-    supported: ClassVar[frozenset[str]] = frozenset()
-
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    # Near 0 it divides logits by ~0 (inf, then NaN); far above any useful value it does the same the other way.
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, harmless in _UNSUPPORTED.items():
-                if name in data and name not in cls.supported and not harmless(data[name], data):
-                    raise APIError(400, f"'{name}' is not supported by this server", code="unsupported_parameter",
-                                   param=name)
-        return data
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_nonempty(cls, v: str | list[str] | None) -> str | list[str] | None:
-        items = [v] if isinstance(v, str) else (v or [])
-        if any(not s for s in items):
-            raise ValueError("stop strings must be non-empty")
-        if len(items) > 8:
-            raise ValueError("at most 8 stop strings")
-        if any(len(s) > MAX_STOP_CHARS for s in items):
-            raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
-        return v
-
-    def sampling_params(self, max_tokens: int, n: int = 1, logprobs: int | None = None,
-                        grammar: GrammarSpec | None = None) -> SamplingParams:
-        """The engine's parameters; a combination the engine refuses is a 400 (``invalid_value``)."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        try:
-            return SamplingParams(
-                n=n,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0,
-                min_p=self.min_p or 0.0,
-                presence_penalty=self.presence_penalty or 0.0,
-                frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=self.repetition_penalty or 1.0,
-                seed=self.seed,
-                stop=stop,
-                stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=self.ignore_eos,
-                max_tokens=max_tokens,
-                min_tokens=min(self.min_tokens, max_tokens),
-                logprobs=logprobs,
-                grammar=grammar,
-                **self._beam_params(),
-            )
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from exc
-
-    def _beam_params(self) -> dict[str, Any]:
-        return {}
-
-
-class TextPart(_Lenient):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-
-class StreamOptions(_Lenient):
-    include_usage: bool = False
 
 
 class JsonSchemaFormat(_Lenient):
@@ -165,8 +71,101 @@ class ResponseFormat(_Lenient):
         return GrammarSpec.json_schema(self.json_schema.schema_)
 
 
+class SamplingFields(_Lenient):
+    """Sampling knobs shared by the OpenAI routes, session messages and WebSocket frames."""
+
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    # Near 0 it divides logits by ~0 (inf, then NaN); far above any useful value it does the same the other way.
+    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=64)] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    # Structured outputs; the caller compiles ``grammar()`` (chatsvc.structured) before it stores or queues.
+    response_format: ResponseFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        return None if self.response_format is None else self.response_format.spec()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, harmless in _UNSUPPORTED.items():
+                if name in data and not harmless(data[name], data):
+                    raise APIError(400, f"'{name}' is not supported by this server", code="unsupported_parameter",
+                                   param=name)
+        return data
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in items):
+            raise ValueError("stop strings must be non-empty")
+        if len(items) > 8:
+            raise ValueError("at most 8 stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in items):
+            raise ValueError(f"stop strings are limited to {MAX_STOP_CHARS} characters")
+        return v
+
+    def sampling_params(self, max_tokens: int, n: int = 1, logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters; a combination the engine refuses is a 400 (``invalid_value``)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                n=n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                seed=self.seed,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=min(self.min_tokens, max_tokens),
+                logprobs=logprobs,
+                grammar=self.grammar(),
+                **self._beam_params(),
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), code="invalid_value") from exc
+
+    def _beam_params(self) -> dict[str, Any]:
+        return {}
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
 class _OpenAIBase(SamplingFields):
-    supported = frozenset({"response_format"})
     model: str | None = None
     n: Annotated[int, Field(ge=1)] = 1
     stream: bool = False
@@ -178,10 +177,6 @@ class _OpenAIBase(SamplingFields):
     best_of: Annotated[int, Field(ge=1)] | None = None
     length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0
     early_stopping: bool | Literal["never"] = False
-    response_format: ResponseFormat | None = None
-
-    def grammar(self) -> GrammarSpec | None:
-        return None if self.response_format is None else self.response_format.spec()
 
     def _beam_params(self) -> dict[str, Any]:
         if not self.use_beam_search:

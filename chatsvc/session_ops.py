@@ -73,6 +73,7 @@ class ReplyReader:
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
     gw.quotas.check_stream(meta.owner, gw.session_turns(meta.owner))
+    await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a bad schema stores no message
     with gw.quotas.admitting(meta.owner):
         at = await gw.turns.start(meta, req.content, req)
     return ReplyReader(gw, meta.id, at.turn, "0", at)

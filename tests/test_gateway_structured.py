@@ -129,3 +129,28 @@ def test_bad_response_format_is_a_400_and_reaches_no_engine(server: LiveServer, 
         assert err["code"] == "invalid_value" and message in err["message"], err
     assert _finished(server) == before
     assert server.gateway.engine.stats().requests_waiting == 0  # type: ignore[attr-defined]
+
+
+def test_ws_message_frame_takes_response_format(server: LiveServer) -> None:
+    """A WebSocket ``message`` frame with a schema gets a reply that validates and is stored as the turn's
+    text; a bad schema is an error frame, and the session stores no message for it."""
+    from websockets.sync.client import connect
+
+    schema = {"type": "json_schema", "json_schema": {"name": "review", "schema": Review.model_json_schema()}}
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "x"}}}
+    with connect(server.ws_url + "/v1/ws") as ws:
+        ws.send(json.dumps({"type": "hello"}))
+        session = json.loads(ws.recv())
+        ws.send(json.dumps({"type": "message", "content": "hi", "response_format": bad}))
+        frame = json.loads(ws.recv())
+        assert frame["type"] == "error" and frame["code"] == "invalid_value", frame
+        assert httpx.get(f"{server.url}/v1/sessions/{session['id']}").json()["messages"] == []
+        ws.send(json.dumps({"type": "message", "content": PROMPTS[2][1], "response_format": schema,
+                            "max_tokens": 120, "temperature": 0}))
+        text = ""
+        while (frame := json.loads(ws.recv()))["type"] == "delta":
+            text += frame["text"]
+        assert frame["type"] == "done" and frame["message"]["finish_reason"] == "stop", frame
+    Review.model_validate_json(text)
+    stored = httpx.get(f"{server.url}/v1/sessions/{session['id']}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"] and stored[1]["content"] == text
