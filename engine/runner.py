@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import itertools
+import os
+import platform
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,9 +23,10 @@ from torch import Tensor
 from engine.config import CacheConfig
 from engine.model import ModelConfig
 from engine.model.attention import AttentionMetadata
-from engine.model.linear import gemm_rows, probe_slow_rows
+from engine.model.linear import Linear, gemm_rows, probe_slow_rows, remembered_probe
 from engine.model.llama import LlamaForCausalLM
 from engine.plan import ScheduledSeq, SchedulerOutput, StepSeq
+from engine.tokenizer import cache_dir
 from kernels import AttentionBackend
 
 
@@ -125,6 +128,27 @@ class ModelInput(Generic[S]):
     samplers: tuple[S, ...]  # the sequences those rows belong to
 
 
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def probe_key(model: LlamaForCausalLM, dtype: torch.dtype) -> dict[str, object]:
+    """What the packed linears' timing at a row count depends on: the CPU and the ISA oneDNN may use, torch,
+    the threads, the dtype and the weight shapes."""
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, Linear)})
+    return {"cpu": cpu_model_name(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "dtype": str(dtype),
+            "shapes": [list(s) for s in shapes] + [[model.config.vocab_size, model.config.hidden_size]]}
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend, cache: CacheConfig,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -147,7 +171,8 @@ class ModelRunner:
         # in every step (decode included) and at the LM head. Not under tensor parallelism: every rank must
         # pad alike.
         probe = self.pad_rows and model.tp is None and device.type == "cpu"
-        self.slow_rows = probe_slow_rows(model.run_linears) if probe else None
+        self.slow_rows = (remembered_probe(cache_dir() / "gemm_probes.json", probe_key(model, dtype),
+                                           lambda: probe_slow_rows(model.run_linears)) if probe else None)
 
     # -- block plans ----------------------------------------------------------------------------
     def _mapping(self, pairs: tuple[tuple[int, int], ...]) -> Tensor:

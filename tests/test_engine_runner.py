@@ -4,6 +4,7 @@ buckets."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,33 @@ def test_kv_pools_are_head_major_blocks_seen_token_major(tmp_path: Path) -> None
                                  swap_space_mb=1)
     for cache in (engine.runner.kv_cache, engine.runner.cpu_cache):
         assert cache.shape[4] > 1 and cache.transpose(3, 4).is_contiguous() and not cache.is_contiguous()
+
+
+def test_the_slow_row_probe_runs_once_per_machine_and_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second engine of the same model, dtype and threads takes the first one's probe decision from the
+    cache directory instead of running the linears again; another thread count probes anew."""
+    from engine.model.llama import LlamaForCausalLM
+
+    monkeypatch.setenv("CHATSVC_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    passes: list[int] = []
+    run_linears = LlamaForCausalLM.run_linears
+
+    def counted(self: LlamaForCausalLM, rows: int) -> None:
+        passes.append(rows)
+        run_linears(self, rows)
+
+    monkeypatch.setattr(LlamaForCausalLM, "run_linears", counted)
+    threads = torch.get_num_threads()
+    try:
+        first = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=16)
+        probed = len(passes)
+        second = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=16)
+        assert probed >= 2 and len(passes) == probed
+        assert second.runner.slow_rows == first.runner.slow_rows
+        torch.set_num_threads(1 if threads > 1 else 2)
+        LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=16)
+        assert len(passes) > probed
+    finally:
+        torch.set_num_threads(threads)
+    assert len(json.loads((tmp_path / "cache" / "gemm_probes.json").read_text())) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,32 @@ def test_gemm_rows_keeps_few_shapes_at_a_small_padding_cost() -> None:
     assert max((p - t) / t for t, p in padded.items() if t >= 512) < 1 / 16
     assert len(set(padded.values())) <= 80  # vs 4032 row counts, each a new oneDNN primitive per weight
     assert linear.gemm_rows(2048) == 2048 and linear.gemm_rows(4096) == 4096
+
+
+def test_a_probe_is_remembered_per_key_and_an_unreadable_file_probed_over(tmp_path: Path) -> None:
+    path = tmp_path / "cache" / "gemm_probes.json"
+    calls: list[str] = []
+
+    def probe(found: range | None, name: str) -> Callable[[], range | None]:
+        def run() -> range | None:
+            calls.append(name)
+            return found
+        return run
+
+    key = {"cpu": "x", "threads": 2}
+    assert linear.remembered_probe(path, key, probe(linear.SLOW_ROWS, "first")) == linear.SLOW_ROWS
+    assert linear.remembered_probe(path, key, probe(None, "again")) == linear.SLOW_ROWS  # remembered
+    assert linear.remembered_probe(path, {**key, "threads": 1}, probe(None, "other")) is None  # a new key
+    assert linear.remembered_probe(path, {**key, "threads": 1}, probe(linear.SLOW_ROWS, "other")) is None
+    assert calls == ["first", "other"]
+    path.write_text("{not json")
+    assert linear.remembered_probe(path, key, probe(None, "corrupt")) is None
+    assert calls[-1] == "corrupt"
+    assert linear.remembered_probe(path, key, probe(linear.SLOW_ROWS, "x")) is None  # rewritten whole
+
+
+def test_a_probe_that_cannot_be_written_down_still_answers(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # A cache directory under a regular file cannot be created: the decision stands, unremembered.
+    assert linear.remembered_probe(blocker / "sub" / "p.json", {"k": 1}, lambda: linear.SLOW_ROWS) == linear.SLOW_ROWS

@@ -10,10 +10,14 @@ dtype natively (bf16 without AVX512-BF16 falls to a reference path several times
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -84,6 +88,36 @@ def probe_slow_rows(run: Callable[[int], object], reps: int = 5, gain: float = 1
     log.info("packed linears at %d rows %.1f ms, at %d rows %.1f ms: %s", last, at_last * 1e3, padded,
              at_padded * 1e3, f"rows {SLOW_ROWS.start}-{last} run as {padded}" if slow else "no padding")
     return SLOW_ROWS if slow else None
+
+
+def remembered_probe(path: Path, key: Mapping[str, object], probe: Callable[[], range | None]) -> range | None:
+    """``probe()``'s decision as last made for ``key`` (the machine, torch, threads, dtype and linear shapes:
+    what the timing depends on), read from ``path``; probed and written there when absent. The probe runs
+    the model's linears a dozen times (seconds of a start-up on 2 cores), and every start of the same model on
+    the same machine would measure the same thing. Deleting the file measures again. An unreadable file is
+    probed over, never an error."""
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=16).hexdigest()
+    try:
+        known = json.loads(path.read_text())
+        if not isinstance(known, dict):
+            known = {}
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(digest)
+    if isinstance(entry, dict) and isinstance(entry.get("slow"), bool):
+        log.info("packed linears' slow-row band as probed before (%s): %s", path,
+                 "padded" if entry["slow"] else "no padding")
+        return SLOW_ROWS if entry["slow"] else None
+    found = probe()
+    known[digest] = {"slow": found is not None, "key": dict(key)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+        os.replace(tmp, path)  # atomic: processes starting together each write a whole file
+    except OSError as e:
+        log.warning("cannot remember the slow-row probe in %s: %s", path, e)
+    return found
 
 
 def gemm_rows(tokens: int, slow: range | None = None) -> int:
