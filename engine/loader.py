@@ -9,6 +9,7 @@ weights that are overwritten right after; load_weights checks that every paramet
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from engine.model.llama import LlamaForCausalLM
 from engine.model.parallel import TensorParallel
 from engine.model.quant import QUANTIZATIONS, int8_kernel
 from engine.model_files import GGUFFile, open_model_files
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, cache_dir
 from kernels import AttentionBackend, get_backend
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def load_model(model: str | os.PathLike[str] | None = None, dtype: torch.dtype =
     kernel = int8_kernel(device) if quantization == "int8" else None
     files = open_model_files(model)
     config = files.config
-    weights = _gguf_weights(files.gguf, config) if files.gguf is not None else _safetensors_weights(files.safetensors)
+    weights = _gguf_weights_cached(files.gguf, config) if files.gguf is not None else _safetensors_weights(files.safetensors)
     backend = get_backend(attention_backend, device) if isinstance(attention_backend, str) else attention_backend
     net = get_model_class(config.architecture)(config, backend, device=device, dtype=dtype, tp=tp)
     net.load_weights(weights)
@@ -149,3 +150,50 @@ def _gguf_weights(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Tens
             n = config.num_heads if stem.endswith(".attn_q") else config.num_kv_heads
             tensor = unpermute_rotary(tensor, n)
         yield name, tensor
+
+
+# A GGUF's tensors as float32, after dequantizing and unpermuting: what ``_gguf_weights`` yields, kept in the
+# cache directory so that later loads of the same file read them instead. Dequantizing (numpy, one thread)
+# is most of a load's CPU time besides packing, and a server, its workers and engine processes load the
+# same file again and again. Bump the version when ``_gguf_weights`` changes what it yields.
+_DEQUANTIZED_FORMAT = "1"
+
+
+def _dequantized_cache(path: Path) -> tuple[Path, dict[str, str]]:
+    stat = path.stat()
+    source = {"format": _DEQUANTIZED_FORMAT, "gguf": str(path.resolve()), "size": str(stat.st_size),
+              "mtime_ns": str(stat.st_mtime_ns)}
+    digest = hashlib.blake2b(repr(sorted(source.items())).encode(), digest_size=12).hexdigest()
+    return cache_dir() / "dequantized" / f"{path.stem}-{digest}.safetensors", source
+
+
+def _gguf_weights_cached(gf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, Tensor]]:
+    """``_gguf_weights``, read from the dequantized copy when one made from this very file (path, size,
+    modification time) is there and whole; else dequantized and the copy written for the next load. A copy
+    that cannot be read is made anew; one that cannot be written is only logged."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    cached, source = _dequantized_cache(gf.path)
+    tensors: list[tuple[str, Tensor]] | None = None
+    try:
+        with safe_open(str(cached), framework="pt") as st:
+            if st.metadata() == source:  # all read before any is used: a bad file fails before the model has any
+                tensors = [(name, st.get_tensor(name)) for name in st.keys()]  # noqa: SIM118
+    except Exception as e:  # absent (FileNotFoundError), truncated or corrupt (SafetensorError): dequantize
+        if not isinstance(e, FileNotFoundError):
+            log.warning("dequantized weights at %s unreadable (%s): dequantizing %s again", cached, e, gf.path)
+    if tensors is not None:
+        yield from tensors
+        return
+    made: dict[str, Tensor] = {}
+    for name, tensor in _gguf_weights(gf, config):
+        made[name] = tensor
+        yield name, tensor
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        save_file({k: v.contiguous() for k, v in made.items()}, str(tmp), metadata=source)
+        os.replace(tmp, cached)  # atomic: a concurrent load reads a whole file or none
+    except OSError as e:
+        log.warning("cannot keep dequantized weights at %s: %s", cached, e)

@@ -232,3 +232,33 @@ def test_config_parsing_accepts_transformers_4_and_5_rope_keys() -> None:
         ModelConfig.from_hf_dict({**base, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="supported: llama, qwen2"):
         ModelConfig.from_hf_dict({**base, "architectures": ["PhiForCausalLM"], "model_type": "phi"})
+
+
+@pytest.mark.integration
+def test_a_gguf_is_dequantized_once_and_a_bad_copy_made_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The second load of a GGUF reads the dequantized copy in the cache directory (no tensor is dequantized)
+    and gets the same weights; a truncated copy is noticed before any weight is used and made again."""
+    from engine import loader
+
+    monkeypatch.setenv("CHATSVC_CACHE_DIR", str(tmp_path))
+    dequantized: list[object] = []
+    real = loader.dequantize
+
+    def counted(data: object, qtype: object) -> object:
+        dequantized.append(qtype)
+        return real(data, qtype)
+
+    monkeypatch.setattr(loader, "dequantize", counted)
+    first = load_model(None, linear_backend="torch")
+    made = len(dequantized)
+    (copy,) = (tmp_path / "dequantized").glob("*.safetensors")
+    second = load_model(None, linear_backend="torch")
+    assert made > 200 and len(dequantized) == made
+    want, got = first.model.state_dict(), second.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    copy.write_bytes(copy.read_bytes()[: copy.stat().st_size // 2])
+    third = load_model(None, linear_backend="torch")
+    assert len(dequantized) == 2 * made and "unreadable" in caplog.text
+    assert all(torch.equal(third.model.state_dict()[k], want[k]) for k in want)
+    assert copy.stat().st_size > 2 * 10**8  # written whole again
