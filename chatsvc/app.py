@@ -126,7 +126,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
                  metrics=m, personas=Personas(engine, store, settings, offload),
                  turns=TurnRegistry(engine, store, m, settings, offload), offload=offload,
-                 quotas=Quotas(settings, m, engine))
+                 quotas=Quotas(settings, store, m, engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -142,6 +142,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
             with contextlib.suppress(RedisError, OSError):
                 await asyncio.wait_for(load_secret(gw), 5.0)
         await gw.turns.open()  # heartbeat, lock refresh, recovery of turns a crashed instance left
+        await gw.quotas.open()  # renews this gateway's quota places
         sync = asyncio.create_task(_sync_personas(gw))
         try:
             yield
@@ -149,6 +150,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
             gw.engine_ready = False
             sync.cancel()
             await gw.turns.shutdown()
+            await gw.quotas.close()
             await engine.stop()
             await store.close()
             gw.offload.close()

@@ -42,10 +42,6 @@ class Gateway:
     engine_ready: bool = False
     grammars: Grammars = field(default_factory=Grammars)
 
-    def session_turns(self, owner: str) -> int:
-        """Replies running in ``owner``'s sessions (their generations, for the concurrency quota)."""
-        return sum(1 for at in self.turns.active.values() if at.owner == owner)
-
     def check_model(self, model: str | None) -> str:
         if model is None or model == self.engine.model_name:
             return self.engine.model_name

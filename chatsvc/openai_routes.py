@@ -20,6 +20,7 @@ from chatsvc.context import Gateway, gateway, parse, read_json
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.offload import Raw, TokenTexts, dumps_in_pieces
+from chatsvc.quotas import Lease
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 from engine.protocol import RequestDelta, StreamOverflowError
@@ -66,24 +67,13 @@ class _Tokens:
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-class _Lease:
-    """A streamed generation's place in its owner's quota, given back exactly once: by the stream's end or,
-    for a client gone before it began (or a send that timed out, which skips the background), the other."""
-
-    def __init__(self, gw: Gateway, owner: str) -> None:
-        self.gw, self.owner, self.held = gw, owner, True
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.gw.quotas.end_stream(self.owner)
-
-    async def finish(self, gen: Generation) -> None:
-        """The response's background task: abort the request (if still running) and give the place back."""
-        try:
-            await gen.close()
-        finally:
-            self.release()
+async def _finish(gen: Generation, lease: Lease) -> None:
+    """A streamed response's background task: abort the request (if still running) and give its quota
+    place back (also for a client gone before the stream began, or a send that timed out)."""
+    try:
+        await gen.close()
+    finally:
+        await lease.release()
 
 
 @dataclass
@@ -165,26 +155,26 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
     await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a 400 before the engine sees it
     params = req.sampling_params(max_tokens, req.n, logprobs)
     gen = Generation(gw.engine, gw.metrics, rid, params, prompt_ids, gw.settings.retry_after_s)
-    gw.quotas.start_stream(owner, gw.session_turns(owner))
+    # Each sequence (n samples, best_of candidates, beams) costs the engine a slot.
+    lease = await gw.quotas.reserve_generation(owner, max(req.n, req.best_of or 1))
     try:
         with gw.quotas.admitting(owner):
             await gen.start()
     except BaseException:
-        gw.quotas.end_stream(owner)
+        await lease.release()
         raise
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         template = ChunkTemplate(rid, obj + ".chunk" if chat else obj, created, model, include_usage)
         # The background close also aborts a request whose client left before the stream began.
-        lease = _Lease(gw, owner)
         return EventStream(_stream(gw, gen, lease, template, chunk), ping=10,
                            send_timeout=gw.settings.sse_send_timeout_s,
-                           background=BackgroundTask(lease.finish, gen))
+                           background=BackgroundTask(_finish, gen, lease))
     try:
         got = await _collect(request, gen, echo)
     finally:
-        gw.quotas.end_stream(owner)
+        await lease.release()
 
     def build() -> dict[str, Any]:
         return {"id": rid, "object": obj, "created": created, "model": model,
@@ -260,7 +250,7 @@ async def completions(request: Request) -> Response:
                            choice, echo)
 
 
-async def _stream(gw: Gateway, gen: Generation, lease: _Lease, template: ChunkTemplate,
+async def _stream(gw: Gateway, gen: Generation, lease: Lease, template: ChunkTemplate,
                   chunk: ChunkOf) -> AsyncIterator[bytes]:
     """A chunk per delta, the usage chunk if asked for, then ``[DONE]``. A request failing after the response
     began (its engine process died, a step failed it) ends with an OpenAI-shaped error event and ``[DONE]``
@@ -281,8 +271,8 @@ async def _stream(gw: Gateway, gen: Generation, lease: _Lease, template: ChunkTe
         yield sse_event(json.dumps({"error": {"message": message, "type": "server_error", "param": None,
                                               "code": code}}))
     finally:  # also when the client left: the request is aborted and its quota given back now, not at GC
-        lease.release()
         gw.metrics.open_sse.dec()
+        await lease.release()
         await gen.close()
     yield sse_event("[DONE]")
 

@@ -43,7 +43,12 @@ async def persona(request: Request) -> Response:
             raise APIError(404, f"persona {name!r} not found", code="persona_not_found")
         return JSONResponse({"name": name, "deleted": True})
     req = parse(PersonaBody, await read_json(request, gw.settings.max_body_bytes))
-    created, pinned = await gw.personas.put(owner, admin, name, req.model_dump())
+    # Its prefill is a generation like any other: it counts against the key's quota while it runs.
+    lease = await gw.quotas.reserve_generation(owner)
+    try:
+        created, pinned = await gw.personas.put(owner, admin, name, req.model_dump())
+    finally:
+        await lease.release()
     return JSONResponse({"name": name, **req.model_dump(), "scope": "shared" if admin else "own",
                          "pinned_tokens": pinned}, status_code=201 if created else 200)
 

@@ -19,6 +19,7 @@ from chatsvc.offload import Offload
 from chatsvc.settings import Settings
 from chatsvc.store.personas import PersonaLimitReached, PersonaStore
 from engine.client import EngineClient
+from engine.protocol import QueueFullError
 
 log = logging.getLogger("chatsvc.personas")
 
@@ -72,6 +73,10 @@ def system_prefix_ids(tokenizer: Any, system_prompt: str) -> list[int]:
 SHARED = "shared"
 
 
+def _persona_limit(limit: int) -> APIError:
+    return APIError(403, f"at most {limit} personas per key", code="persona_limit_reached")
+
+
 def pin_key(name: str, owner: str | None = None) -> str:
     """The engine's pin key: ``persona:{name}`` for a shared persona, ``persona:{owner}:{name}`` for an owner's."""
     return f"persona:{name}" if owner is None else f"persona:{owner}:{name}"
@@ -116,25 +121,34 @@ class Personas:
 
         Everything that can refuse it runs first, so a refused persona leaves nothing behind."""
         ids = await self.offload.run(system_prefix_ids, self.offload.tokenizer, body["system_prompt"])
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
-            raise APIError(400, f"the persona's prompt is {len(ids)} tokens; the context is {limit}",
+        context = self.engine.max_model_len
+        if len(ids) >= context:
+            raise APIError(400, f"the persona's prompt is {len(ids)} tokens; the context is {context}",
                            code="context_length_exceeded", param="system_prompt")
         if self._blocks(len(ids)) > self._cap_blocks():
             raise APIError(413, f"the persona's prompt ({len(ids)} tokens) alone exceeds the share of the KV "
                            f"cache personas may pin ({self.settings.max_pinned_fraction:.0%})",
                            code="persona_too_large", param="system_prompt")
-        if admin:
-            created = await self.store.put_persona(name, body)
-            key = pin_key(name)
-        else:
-            try:
-                created = await self.store.put_persona(name, body, owner, limit=self.settings.max_personas_per_key)
-            except PersonaLimitReached:
-                raise APIError(403, f"at most {self.settings.max_personas_per_key} personas per key",
-                               code="persona_limit_reached") from None
-            key = pin_key(name, owner)
-        return created, await self._pin(key, ids)
+        key = pin_key(name) if admin else pin_key(name, owner)
+        limit = self.settings.max_personas_per_key
+        if not admin and not await self.store.persona_room(name, owner, limit):
+            raise _persona_limit(limit)
+        # Pinned before it is stored: a prefill the engine refuses (queue full, engine down) leaves no
+        # persona behind; one the store then refuses is unpinned again.
+        try:
+            pinned = await self._pin(key, ids)
+        except QueueFullError:
+            raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        try:
+            created = await (self.store.put_persona(name, body) if admin
+                             else self.store.put_persona(name, body, owner, limit=limit))
+        except BaseException as exc:
+            self._unpin(key)
+            if isinstance(exc, PersonaLimitReached):
+                raise _persona_limit(limit) from None
+            raise
+        return created, pinned
 
     async def delete(self, owner: str, admin: bool, name: str) -> bool:
         """Delete the caller's own persona of that name, else (admins only) the shared one."""

@@ -1,35 +1,70 @@
-"""Per-key quotas: concurrent generations, requests waiting for the engine, new sessions per minute, open
-WebSockets, readers of a reply. Only with API keys (without them there is one owner, the operator). Past a
-quota: 429 with Retry-After (a WS error frame), counted in ``chatsvc_quota_refused_total{quota}``."""
+"""Per-key quotas: concurrent generations (counted in requests and in sequences), requests waiting for the
+engine, new sessions per minute, open WebSockets, open ``/v1/kv/stream`` connections, readers of a reply.
+Only with API keys (without them there is one owner, the operator). Past a quota: 429 with Retry-After (a
+WS error frame), counted in ``chatsvc_quota_refused_total{quota}``.
+
+Every quota but the waiting share (a share of this gateway's engine queue) and the readers of a reply (a
+turn generated here) lives in Redis (:mod:`chatsvc.store.quotas`), so every gateway on one Redis counts the
+same places, and a place is taken in one atomic step before the work it pays for starts. A place is given
+back exactly once through its :class:`Lease`; the gateway renews the places it holds, so a crashed
+gateway's places lapse ``quota_lease_ttl_s`` after its last renewal."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import math
+import secrets
 import time
-from collections import Counter, defaultdict, deque
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
+
+from redis.exceptions import RedisError
 
 from chatsvc.auth import ANON
 from chatsvc.errors import APIError
 from chatsvc.settings import Settings
+from chatsvc.store.quotas import QuotaPlace, QuotaStore
 
 if TYPE_CHECKING:
     from chatsvc.metrics import Metrics
     from chatsvc.turns import ActiveTurn
     from engine.client import EngineClient
 
+log = logging.getLogger("chatsvc.quotas")
+UNLIMITED = 1 << 30
+SESSION_WINDOW_MS = 60_000
+
+
+class Lease:
+    """Places held in the shared quotas, given back exactly once (idempotent :meth:`release`)."""
+
+    def __init__(self, quotas: Quotas | None = None, place: QuotaPlace | None = None) -> None:
+        self._quotas, self._place = quotas, place
+
+    @property
+    def held(self) -> bool:
+        return self._place is not None
+
+    async def release(self) -> None:
+        place, self._place = self._place, None
+        if place is not None and self._quotas is not None:
+            await self._quotas.give_back(place)
+
 
 class Quotas:
-    def __init__(self, settings: Settings, metrics: Metrics | None = None, engine: EngineClient | None = None) -> None:
+    def __init__(self, settings: Settings, store: QuotaStore, metrics: Metrics | None = None,
+                 engine: EngineClient | None = None) -> None:
         self.settings = settings
+        self.store = store
         self.metrics = metrics
         self.engine = engine  # whose waiting queue the waiting share is of
-        self.streams: Counter[str] = Counter()  # owner -> stateless (OpenAI route) generations running
         self.waiting: Counter[str] = Counter()  # owner -> requests admitted that have no first token yet
-        self.sockets: Counter[str] = Counter()
-        self.sessions: defaultdict[str, deque[float]] = defaultdict(deque)
+        self.held: set[QuotaPlace] = set()  # places this gateway holds and renews
+        self._renewer: asyncio.Task[None] | None = None
+        self._giving_back: set[asyncio.Task[None]] = set()  # referenced until done (the loop holds weak refs)
 
     def _limited(self, quota: str, what: str, limit: int, retry_after: int | None = None) -> APIError:
         if self.metrics is not None:
@@ -40,19 +75,92 @@ class Quotas:
     def applies(self, owner: str) -> bool:
         return owner != ANON
 
-    def check_stream(self, owner: str, session_turns: int) -> None:
-        """Refuse a new generation when ``owner`` already runs its quota (OpenAI requests plus session turns)."""
-        limit = self.settings.max_streams_per_key
-        if self.applies(owner) and self.streams[owner] + session_turns >= limit:
-            raise self._limited("streams", "too many concurrent generations", limit)
+    @property
+    def _ttl_ms(self) -> int:
+        return int(self.settings.quota_lease_ttl_s * 1000)
 
-    def start_stream(self, owner: str, session_turns: int = 0) -> None:
-        self.check_stream(owner, session_turns)
-        self.streams[owner] += 1
+    # -- places in Redis --------------------------------------------------------------------------
+    async def give_back(self, place: QuotaPlace) -> None:
+        """Give ``place`` back; a caller cancelled meanwhile (a client gone, a stream closed in the middle
+        of its cleanup) does not stop it."""
+        self.held.discard(place)
+        task = asyncio.create_task(self._give_back(place))
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+        await asyncio.shield(task)
 
-    def end_stream(self, owner: str) -> None:
-        _give_back(self.streams, owner)
+    async def _give_back(self, place: QuotaPlace) -> None:
+        try:
+            await self.store.give_back_place(place)
+        except RedisError as exc:  # not renewed any more: it lapses by itself
+            log.warning("could not give back a quota place (it lapses in %.0f s): %r",
+                        self.settings.quota_lease_ttl_s, exc)
 
+    async def open(self) -> None:
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew(), name="quota-renewer")
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
+
+    async def _renew(self) -> None:
+        # Three renewals fit in a place's lifetime: one slow or failed renewal does not let it lapse.
+        while True:
+            await asyncio.sleep(self.settings.quota_lease_ttl_s / 3)
+            try:
+                await self.store.renew_places(list(self.held), self._ttl_ms)
+            except RedisError as exc:
+                log.warning("could not renew quota places: %r", exc)
+
+    # -- the quotas -------------------------------------------------------------------------------
+    async def reserve_generation(self, owner: str, sequences: int = 1) -> Lease:
+        """One of ``owner``'s concurrent generations, weighing ``sequences`` (n, best_of or beam width):
+        past ``max_streams_per_key`` requests or ``max_sequences_per_key`` sequences, 429."""
+        if not self.applies(owner):
+            return Lease()
+        s = self.settings
+        got = await self.store.take_place(owner, "generations", secrets.token_hex(8), sequences,
+                                          s.max_streams_per_key, s.max_sequences_per_key, self._ttl_ms)
+        if isinstance(got, QuotaPlace):
+            self.held.add(got)
+            return Lease(self, got)
+        if got.by_weight:
+            raise self._limited("sequences", f"too many concurrent sequences ({sequences} asked)",
+                                s.max_sequences_per_key)
+        raise self._limited("streams", "too many concurrent generations", s.max_streams_per_key)
+
+    async def new_session(self, owner: str) -> None:
+        """One of ``owner``'s new sessions this minute (a sliding window: places lapse after a minute)."""
+        if not self.applies(owner):
+            return
+        limit = self.settings.max_sessions_per_minute
+        got = await self.store.take_place(owner, "sessions", secrets.token_hex(8), 1, limit, UNLIMITED,
+                                          SESSION_WINDOW_MS)
+        if not isinstance(got, QuotaPlace):
+            raise self._limited("sessions", "too many new sessions this minute", limit, got.wait_ms // 1000 + 1)
+
+    async def open_socket(self, owner: str) -> Lease:
+        return await self._connection(owner, "sockets", "too many open WebSockets",
+                                      self.settings.max_sockets_per_key)
+
+    async def open_kv_stream(self, owner: str) -> Lease:
+        return await self._connection(owner, "kv_streams", "too many open /v1/kv/stream connections",
+                                      self.settings.max_kv_streams_per_key)
+
+    async def _connection(self, owner: str, kind: str, what: str, limit: int) -> Lease:
+        if not self.applies(owner):
+            return Lease()
+        place = await self.store.take_place(owner, kind, secrets.token_hex(8), 1, limit, UNLIMITED, self._ttl_ms)
+        if not isinstance(place, QuotaPlace):
+            raise self._limited(kind, what, limit)
+        self.held.add(place)
+        return Lease(self, place)
+
+    # -- this gateway's own -----------------------------------------------------------------------
     def waiting_limit(self) -> int | None:
         """``max_waiting_share`` of the engine's waiting queue (at least 1); None when the engine does not say
         how long its queue is."""
@@ -70,7 +178,9 @@ class Quotas:
         try:
             yield
         finally:
-            _give_back(self.waiting, owner)
+            self.waiting[owner] -= 1
+            if self.waiting[owner] <= 0:
+                del self.waiting[owner]
 
     def check_readers(self, at: ActiveTurn | None) -> None:
         """Refuse one more reader of a running reply past ``max_readers_per_reply`` (each holds a buffer
@@ -78,34 +188,6 @@ class Quotas:
         limit = self.settings.max_readers_per_reply
         if at is not None and at.readers >= limit:
             raise self._limited("readers", "too many readers of this reply", limit)
-
-    def new_session(self, owner: str) -> None:
-        if not self.applies(owner):
-            return
-        limit, now = self.settings.max_sessions_per_minute, time.monotonic()
-        times = self.sessions[owner]
-        while times and now - times[0] > 60.0:
-            times.popleft()
-        if len(times) >= limit:
-            raise self._limited("sessions", "too many new sessions this minute", limit,
-                                int(60.0 - (now - times[0])) + 1)
-        times.append(now)
-
-    def open_socket(self, owner: str) -> None:
-        limit = self.settings.max_sockets_per_key
-        if self.applies(owner) and self.sockets[owner] >= limit:
-            raise self._limited("sockets", "too many open WebSockets", limit)
-        self.sockets[owner] += 1
-
-    def close_socket(self, owner: str) -> None:
-        _give_back(self.sockets, owner)
-
-
-def _give_back(counts: Counter[str], owner: str) -> None:
-    """One of ``owner``'s places in ``counts`` back; an owner holding none leaves the counter."""
-    counts[owner] -= 1
-    if counts[owner] <= 0:
-        del counts[owner]
 
 
 class FrameBudget:

@@ -28,7 +28,7 @@ async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
 
 
 async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None) -> SessionMeta:
-    gw.quotas.new_session(owner)
+    await gw.quotas.new_session(owner)
     name = persona or DEFAULT_PERSONA
     found = await gw.personas.get(owner, name)
     if found is None:
@@ -72,10 +72,10 @@ class ReplyReader:
 
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
-    gw.quotas.check_stream(meta.owner, gw.session_turns(meta.owner))
     await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a bad schema stores no message
+    lease = await gw.quotas.reserve_generation(meta.owner)  # the turn gives it back when it ends
     with gw.quotas.admitting(meta.owner):
-        at = await gw.turns.start(meta, req.content, req)
+        at = await gw.turns.start(meta, req.content, req, lease)
     return ReplyReader(gw, meta.id, at.turn, "0", at)
 
 

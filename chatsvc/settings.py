@@ -77,7 +77,17 @@ class Settings:
     # A non-streamed reply with logprobs is built whole: n x max_tokens x (1 + top) entries at most.
     max_logprob_entries: int = 200_000
     # Per-key quotas (only with API keys).
-    max_streams_per_key: int = _flag(8, "--max-streams-per-key", "concurrent generations per API key")
+    max_streams_per_key: int = _flag(
+        8, "--max-streams-per-key",
+        "concurrent generations per API key (OpenAI requests, session turns and persona writes, on every "
+        "gateway sharing the Redis)")
+    max_sequences_per_key: int = _flag(
+        16, "--max-sequences-per-key",
+        "concurrent sequences per API key: a request counts n, best_of or its beam width")
+    max_kv_streams_per_key: int = _flag(4, "--max-kv-streams-per-key", "open /v1/kv/stream connections per API key")
+    # A quota place (a generation, a socket) whose gateway stops renewing it (crashed) lapses this long after
+    # the last renewal.
+    quota_lease_ttl_s: float = 30.0
     max_sessions_per_minute: int = _flag(30, "--max-sessions-per-minute", "new sessions per API key a minute")
     max_sockets_per_key: int = _flag(16, "--max-sockets-per-key", "open WebSockets per API key")
     # A WebSocket must authenticate within this, is closed after this long without a frame while no reply

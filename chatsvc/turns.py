@@ -52,6 +52,7 @@ from chatsvc.generation import Generation
 from chatsvc.history import fit_conversation
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
+from chatsvc.quotas import Lease
 from chatsvc.schemas import SamplingFields, resolve_max_tokens, session_not_found, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
@@ -115,6 +116,7 @@ class ActiveTurn:
     drained: asyncio.Future[None] | None = None
     write_error: BaseException | None = None  # the first failed event write (logged once)
     stored: int | None = None  # end_turn's answer once the reply is stored
+    lease: Lease = field(default_factory=Lease)  # the owner's quota place, given back when the turn ends
 
     def wake(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
@@ -170,11 +172,23 @@ class TurnRegistry:
         except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad beat
             log.exception("turn keep-alive failed")
 
-    async def start(self, meta: SessionMeta, content: str, sampling: SamplingFields) -> ActiveTurn:
+    async def start(self, meta: SessionMeta, content: str, sampling: SamplingFields,
+                    lease: Lease | None = None) -> ActiveTurn:
         """Validate, store the user message, admit the request and start generating (one reader attached).
 
         The turn is registered (busy, cancellable) before the engine sees the request; admission errors
-        (invalid request, full queue) still come back from here, with the user message rolled back."""
+        (invalid request, full queue) still come back from here, with the user message rolled back.
+        ``lease`` (the owner's quota place) is given back exactly once: here if no turn starts, else when
+        the turn ends."""
+        lease = lease or Lease()
+        try:
+            return await self._start(meta, content, sampling, lease)
+        except BaseException:
+            if meta.id not in self.active or self.active[meta.id].lease is not lease:
+                await lease.release()
+            raise
+
+    async def _start(self, meta: SessionMeta, content: str, sampling: SamplingFields, lease: Lease) -> ActiveTurn:
         if len(content) > self.settings.max_message_chars:
             raise APIError(413, f"message exceeds {self.settings.max_message_chars} characters",
                            code="message_too_large", param="content")
@@ -202,7 +216,8 @@ class TurnRegistry:
             raise session_not_found(meta.id) from exc
         if turn is None or meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
-        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", truncated_turns=truncated, owner=meta.owner)
+        at = ActiveTurn(meta.id, turn, f"{meta.id}-{turn}", truncated_turns=truncated, owner=meta.owner,
+                        lease=lease)
         gen = Generation(self.engine, self.metrics, at.request_id, params, prompt_ids, self.settings.retry_after_s,
                          session_id=meta.id)
         admitted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -227,6 +242,7 @@ class TurnRegistry:
             await gen.close()  # cancelled before it began: stored as aborted
         except BaseException as exc:
             self.active.pop(at.session_id, None)
+            await at.lease.release()
             try:
                 await self.store.rollback_turn(at.session_id, at.turn)
             except RedisError:
@@ -295,6 +311,7 @@ class TurnRegistry:
             self.active.pop(at.session_id, None)
             if at.grace is not None:
                 at.grace.cancel()
+            await at.lease.release()
 
     async def _take_over(self, sid: str, turn: int) -> None:
         """Generate the rest of a turn whose gateway died (its lock is ours now), as :meth:`_run` would have."""

@@ -17,7 +17,7 @@ from chatsvc import session_ops as ops
 from chatsvc.auth import bearer, host_allowed, origin_allowed, ws_key_from_protocols
 from chatsvc.context import Gateway, decode_json, gateway, parse
 from chatsvc.errors import APIError
-from chatsvc.quotas import FrameBudget
+from chatsvc.quotas import FrameBudget, Lease
 from chatsvc.schemas import SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.wire import delta_frame
@@ -38,7 +38,7 @@ class Connection:
         self.send_lock = asyncio.Lock()
         self.pump: asyncio.Task[None] | None = None
         self.reader: ops.ReplyReader | None = None
-        self.counted: str | None = None  # the owner whose socket quota this socket holds
+        self.socket_lease: Lease = Lease()  # this socket's place in its owner's socket quota
 
     async def send(self, frame: dict[str, Any]) -> None:
         await self.send_text(json.dumps(frame))
@@ -80,7 +80,7 @@ class Connection:
         if self.owner is None:
             key = frame.get("api_key")
             owner = self.gw.auth.check_key(key if isinstance(key, str) else None)
-            self.claim_socket(owner)
+            await self.claim_socket(owner)
             self.owner = owner
         sid, persona = frame.get("session_id"), frame.get("persona")
         if sid is not None and not isinstance(sid, str) or persona is not None and not isinstance(persona, str):
@@ -96,10 +96,9 @@ class Connection:
         r = self.reader
         return self.streaming and r is not None and r.session_id == meta.id and r.turn == meta.turns
 
-    def claim_socket(self, owner: str) -> None:
+    async def claim_socket(self, owner: str) -> None:
         """Count this socket against its owner's quota (429 past it)."""
-        self.gw.quotas.open_socket(owner)
-        self.counted = owner
+        self.socket_lease = await self.gw.quotas.open_socket(owner)
 
     @property
     def streaming(self) -> bool:
@@ -167,10 +166,14 @@ async def ws_endpoint(websocket: WebSocket) -> None:
     conn = Connection(websocket, gw, None)
     if owner is not None:
         try:
-            conn.claim_socket(owner)
+            await conn.claim_socket(owner)
         except APIError as exc:
             await conn.error(exc.code or "quota_exceeded", exc.message)
             await websocket.close(code=1008, reason="too many open WebSockets")
+            return
+        except RedisError as exc:  # the socket quota cannot be counted: refused like any Redis outage
+            await conn.error("redis_unavailable", f"session store unavailable: {type(exc).__name__}")
+            await websocket.close(code=1011, reason="session store unavailable")
             return
         conn.owner = owner
     gw.metrics.open_ws.inc()
@@ -195,9 +198,10 @@ async def ws_endpoint(websocket: WebSocket) -> None:
         code = exc.code
     finally:
         gw.metrics.open_ws.dec()
-        if conn.counted is not None:
-            gw.quotas.close_socket(conn.counted)
-        await conn.close(code)
+        try:
+            await conn.close(code)
+        finally:
+            await conn.socket_lease.release()
 
 
 async def _receive(conn: Connection, opened: float) -> Mapping[str, Any] | None:

@@ -1,16 +1,21 @@
-"""chatsvc/quotas.py: per-key limits answer 429 with Retry-After; the anonymous owner (no keys) has none."""
+"""chatsvc/quotas.py on a real Redis: per-key limits answer 429 with Retry-After; the anonymous owner (no keys)
+has none; places are given back once, renewed while held, and lapse when their gateway stops."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
+from gateway_fixtures import redis_proc, redis_url  # noqa: F401
+from store_fixtures import store  # noqa: F401
 
 from chatsvc import quotas as quotas_module
 from chatsvc.auth import ANON
 from chatsvc.errors import APIError
 from chatsvc.quotas import FrameBudget, Quotas
 from chatsvc.settings import Settings
+from chatsvc.store import Store
 from engine.protocol import EngineStats
 
 
@@ -29,44 +34,70 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return c
 
 
-def settings(**kw: int) -> Settings:
+def settings(**kw: float) -> Settings:
     return dataclasses.replace(Settings(), **kw)
 
 
-def test_concurrent_generations_are_capped_per_key_counting_session_turns() -> None:
-    q = Quotas(settings(max_streams_per_key=2, retry_after_s=3))
-    q.start_stream("k1")
+async def test_generations_are_capped_per_key_in_requests_and_in_sequences(store: Store) -> None:  # noqa: F811
+    q = Quotas(settings(max_streams_per_key=3, max_sequences_per_key=16, retry_after_s=3), store)
+    first = await q.reserve_generation("k1", 8)
+    second = await q.reserve_generation("k1", 8)
     with pytest.raises(APIError) as exc:
-        q.start_stream("k1", session_turns=1)
-    assert exc.value.status == 429 and exc.value.code == "quota_exceeded"
+        await q.reserve_generation("k1", 1)  # 16 sequences held: even one more is refused
+    assert exc.value.status == 429 and exc.value.code == "quota_exceeded" and "sequences" in exc.value.message
     assert exc.value.headers == {"Retry-After": "3"}
-    q.start_stream("k2", session_turns=1)  # another key has its own count
-    q.end_stream("k1")
-    q.start_stream("k1", session_turns=1)
-    for _ in range(5):
-        q.start_stream(ANON)  # no keys configured: no quota
-
-
-def test_new_sessions_per_minute_slide_with_the_clock(clock: Clock) -> None:
-    q = Quotas(settings(max_sessions_per_minute=2))
-    q.new_session("k")
-    clock.now += 30
-    q.new_session("k")
+    await (await q.reserve_generation("k2", 8)).release()  # another key has its own count
+    await first.release()
+    await first.release()  # given back once, however often released
+    assert await store.places_held("k1", "generations") == (1, 8)
+    small = [await q.reserve_generation("k1") for _ in range(2)]
     with pytest.raises(APIError) as exc:
-        q.new_session("k")
-    assert exc.value.headers == {"Retry-After": "31"}  # the first one leaves the window in 30 s
-    clock.now += 31
-    q.new_session("k")
+        await q.reserve_generation("k1")
+    assert "generations" in exc.value.message
+    for lease in (second, *small):
+        await lease.release()
+    assert not q.held and await store.places_held("k1", "generations") == (0, 0)
+    for _ in range(5):
+        await q.reserve_generation(ANON, 8)  # no keys configured: no quota
+    assert await store.places_held(ANON, "generations") == (0, 0)
 
 
-def test_open_sockets_are_capped_and_released() -> None:
-    q = Quotas(settings(max_sockets_per_key=1))
-    q.open_socket("k")
+async def test_new_sessions_per_minute_are_a_sliding_window(store: Store) -> None:  # noqa: F811
+    q = Quotas(settings(max_sessions_per_minute=2), store)
+    await q.new_session("k")
+    await q.new_session("k")
+    with pytest.raises(APIError) as exc:
+        await q.new_session("k")
+    assert 59 <= int(exc.value.headers["Retry-After"]) <= 61  # the first one leaves the window in a minute
+    await q.new_session("other")
+
+
+async def test_open_connections_are_capped_and_released(store: Store) -> None:  # noqa: F811
+    q = Quotas(settings(max_sockets_per_key=1, max_kv_streams_per_key=1), store)
+    socket = await q.open_socket("k")
     with pytest.raises(APIError):
-        q.open_socket("k")
-    q.close_socket("k")
-    q.open_socket("k")
-    assert dict(q.sockets) == {"k": 1}
+        await q.open_socket("k")
+    kv = await q.open_kv_stream("k")  # a quota of its own
+    with pytest.raises(APIError):
+        await q.open_kv_stream("k")
+    await socket.release()
+    await kv.release()
+    await (await q.open_socket("k")).release()
+
+
+async def test_held_places_are_renewed_while_held_and_lapse_once_the_gateway_stops(store: Store) -> None:  # noqa: F811
+    q = Quotas(settings(max_streams_per_key=1, quota_lease_ttl_s=0.6), store)
+    await q.open()
+    try:
+        lease = await q.reserve_generation("k")
+        await asyncio.sleep(1.5)  # well past the place's lifetime: renewed meanwhile
+        with pytest.raises(APIError):
+            await q.reserve_generation("k")
+    finally:
+        await q.close()  # a crashed gateway renews nothing
+    await asyncio.sleep(1.0)
+    assert await store.places_held("k", "generations") == (0, 0)
+    await lease.release()
 
 
 def test_frame_budget_allows_a_burst_then_the_rate(clock: Clock) -> None:
@@ -87,11 +118,11 @@ class QueueOf:
         return EngineStats(max_waiting=self.max_waiting)
 
 
-def test_a_key_holds_at_most_its_share_of_the_waiting_queue_while_admitting() -> None:
+def test_a_key_holds_at_most_its_share_of_the_waiting_queue_while_admitting(store: Store) -> None:  # noqa: F811
     from chatsvc.metrics import Metrics
 
     m = Metrics(QueueOf(10))  # type: ignore[arg-type]
-    q = Quotas(dataclasses.replace(Settings(), max_waiting_share=0.25, retry_after_s=2), m,
+    q = Quotas(dataclasses.replace(Settings(), max_waiting_share=0.25, retry_after_s=2), store, m,
                QueueOf(10))  # type: ignore[arg-type]
     assert q.waiting_limit() == 2
     with q.admitting("k1"), q.admitting("k1"):
@@ -105,4 +136,4 @@ def test_a_key_holds_at_most_its_share_of_the_waiting_queue_while_admitting() ->
         raise RuntimeError("admission failed")
     assert not q.waiting
     assert m.quota_refused.labels("waiting")._value.get() == 1
-    assert Quotas(Settings()).waiting_limit() is None  # no engine to measure: no waiting quota
+    assert Quotas(Settings(), store).waiting_limit() is None  # no engine to measure: no waiting quota

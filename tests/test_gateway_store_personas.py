@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from gateway_fixtures import redis_proc, redis_url  # noqa: F401
 from store_fixtures import store  # noqa: F401
@@ -46,3 +48,12 @@ async def test_an_owner_at_the_limit_may_replace_but_not_add(store: Store) -> No
     with pytest.raises(PersonaLimitReached):
         await store.put_persona("c", {"system_prompt": "c", "description": ""}, "o", limit=2)
     assert list(await store.list_personas("o")) == ["a", "b"]
+
+
+async def test_concurrent_puts_cannot_pass_the_owner_limit(store: Store) -> None:  # noqa: F811
+    results = await asyncio.gather(*(store.put_persona(f"p{i}", {"system_prompt": "x", "description": ""}, "o",
+                                                       limit=4) for i in range(12)), return_exceptions=True)
+    assert sum(r is True for r in results) == 4
+    assert all(isinstance(r, PersonaLimitReached) for r in results if r is not True)
+    assert len(await store.list_personas("o")) == 4
+    assert await store.persona_room("p0", "o", 4) and not await store.persona_room("new", "o", 4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -38,6 +39,7 @@ def server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Liv
     with LiveServer(app) as live:
         live.engine = engine  # type: ignore[attr-defined]
         live.gw = app.state.gateway  # type: ignore[attr-defined]
+        live.redis_url = redis_proc.url  # type: ignore[attr-defined]
         yield live
 
 
@@ -67,9 +69,9 @@ def test_concurrent_generations_per_key(server: LiveServer) -> None:
             assert r.status_code == 429  # session turns count too
             assert httpx.get(f"{server.url}/v1/sessions/{sid}", headers=A).json()["messages"] == []
         deadline = time.monotonic() + 10
-        while server.gw.quotas.streams and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        while _held(server.redis_url) and time.monotonic() < deadline:  # type: ignore[attr-defined]
             time.sleep(0.05)
-        assert not server.gw.quotas.streams  # type: ignore[attr-defined]
+        assert not _held(server.redis_url)  # type: ignore[attr-defined]
     finally:
         server.engine.reset()  # type: ignore[attr-defined]
     ok = httpx.post(server.url + "/v1/chat/completions", headers=A, timeout=30,
@@ -78,7 +80,7 @@ def test_concurrent_generations_per_key(server: LiveServer) -> None:
 
 
 def test_new_sessions_per_minute(server: LiveServer) -> None:
-    server.gw.quotas.sessions.clear()  # type: ignore[attr-defined]
+    _clear_session_windows(server.redis_url)  # type: ignore[attr-defined]
     for _ in range(4):
         assert httpx.post(server.url + "/v1/sessions", json={}, headers=B).status_code == 201
     r = httpx.post(server.url + "/v1/sessions", json={}, headers=B)
@@ -87,7 +89,7 @@ def test_new_sessions_per_minute(server: LiveServer) -> None:
         ws.send(json.dumps({"type": "hello"}))
         assert json.loads(ws.recv(timeout=10))["code"] == "quota_exceeded"
     assert httpx.post(server.url + "/v1/sessions", json={}, headers=A).status_code == 201
-    server.gw.quotas.sessions.clear()  # type: ignore[attr-defined]
+    _clear_session_windows(server.redis_url)  # type: ignore[attr-defined]
 
 
 def test_open_websockets_per_key(server: LiveServer) -> None:
@@ -138,7 +140,7 @@ def test_frame_flood_is_throttled(server: LiveServer) -> None:
 
 
 def test_readers_of_one_reply(server: LiveServer) -> None:
-    server.gw.quotas.sessions.clear()  # type: ignore[attr-defined]
+    _clear_session_windows(server.redis_url)  # type: ignore[attr-defined]
     server.engine.step_s = 0.05  # type: ignore[attr-defined]
     try:
         sid = httpx.post(server.url + "/v1/sessions", json={}, headers=B).json()["id"]
@@ -179,6 +181,7 @@ def stall_server(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with LiveServer(app) as live:
         live.engine = engine  # type: ignore[attr-defined]
         live.gw = app.state.gateway  # type: ignore[attr-defined]
+        live.redis_url = redis_proc.url  # type: ignore[attr-defined]
         yield live
 
 
@@ -197,8 +200,191 @@ def test_a_reader_that_stops_reading_is_detached(stall_server: LiveServer) -> No
                 time.sleep(0.1)
             assert engine.aborted, "the stalled stream's request was never aborted"
             assert not engine.running
-            assert not stall_server.gw.quotas.streams  # type: ignore[attr-defined]
+            wait_until_given_back = time.monotonic() + 10
+            while _held(stall_server.redis_url) and time.monotonic() < wait_until_given_back:  # type: ignore[attr-defined]
+                time.sleep(0.05)
+            assert not _held(stall_server.redis_url)  # type: ignore[attr-defined]
         finally:
             sock.close()
     finally:
         engine.reset()
+
+
+def _clear_session_windows(url: str) -> None:
+    r = sync_redis.Redis.from_url(url)
+    for key in r.scan_iter("chatsvc:owner:*:quota:sessions"):
+        r.delete(key)
+
+
+def _held(url: str, kind: str = "generations") -> int:
+    r = sync_redis.Redis.from_url(url)
+    return sum(int(r.zcard(key)) for key in r.scan_iter(f"chatsvc:owner:*:quota:{kind}"))
+
+
+FAIR = Settings(api_keys=(KA, KB), web_dir=Path("/nonexistent"), max_pinned_fraction=1.0, max_streams_per_key=8,
+                max_sequences_per_key=16, max_sessions_per_minute=100, max_personas_per_key=4)
+
+
+@pytest.fixture(scope="module")
+def gateways(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LiveServer]]:  # noqa: F811
+    """Two gateways, each with its own engine, on one Redis (a database of their own): every per-key quota
+    is shared between them."""
+    url = redis_proc.url.rsplit("/", 1)[0] + "/1"
+    sync_redis.Redis.from_url(url).flushdb()
+    tok = tiny_tokenizer(tmp_path_factory.mktemp("tok-fair"))
+    with ExitStack() as stack:
+        lives = []
+        for _ in range(2):
+            engine = FakeEngine(tok, max_model_len=4096)
+            app = create_app(engine, Store.from_url(url, 3600, 60), FAIR)
+            live = stack.enter_context(LiveServer(app))
+            live.engine = engine  # type: ignore[attr-defined]
+            live.redis_url = url  # type: ignore[attr-defined]
+            lives.append(live)
+        yield lives
+
+
+class _Held:
+    """Requests sent at once from threads, each held open once admitted until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self.statuses: list[int] = []
+        self.stack = ExitStack()
+        self.lock = threading.Lock()
+
+    def send(self, method: str, url: str, headers: dict[str, str], body: dict[str, object]) -> None:
+        r = self.stack.enter_context(httpx.stream(method, url, headers=headers, json=body, timeout=30))
+        if r.status_code == 200:
+            lines = r.iter_lines()
+            next(lines)
+            self.stack.callback(lines.close)
+        else:
+            r.read()
+        with self.lock:
+            self.statuses.append(r.status_code)
+
+    def burst(self, calls: list[tuple[str, str, dict[str, str], dict[str, object]]]) -> list[int]:
+        threads = [threading.Thread(target=self.send, args=c) for c in calls]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return sorted(self.statuses)
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def _slow(gws: list[LiveServer]) -> None:
+    for g in gws:
+        g.engine.step_s = 0.05  # type: ignore[attr-defined]
+
+
+def _url(gws: list[LiveServer]) -> str:
+    return str(gws[0].redis_url)  # type: ignore[attr-defined]
+
+
+def _reset(gws: list[LiveServer]) -> None:
+    url = _url(gws)
+    for g in gws:
+        g.engine.reset()  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while _held(url) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _held(url) == 0, "a quota place was not given back"
+
+
+LONG = {"content": "hi", "max_tokens": 400, "ignore_eos": True}
+
+
+def test_a_burst_of_turns_on_many_sessions_cannot_walk_past_the_limit(gateways: list[LiveServer],) -> None:
+    """24 messages sent at once to 24 sessions of one key on one gateway: the limit's 8 start, 16 get 429."""
+    g = gateways[0]
+    _clear_session_windows(_url(gateways))
+    sids = [httpx.post(g.url + "/v1/sessions", json={}, headers=A).json()["id"] for _ in range(24)]
+    held = _Held()
+    _slow(gateways)
+    try:
+        statuses = held.burst([("POST", f"{g.url}/v1/sessions/{sid}/messages", A, LONG) for sid in sids])
+        assert statuses == [200] * 8 + [429] * 16
+        assert _held(_url(gateways)) == 8
+        refused = [sid for sid in sids if not httpx.get(f"{g.url}/v1/sessions/{sid}", headers=A).json()["busy"]]
+        assert len(refused) == 16
+        assert all(httpx.get(f"{g.url}/v1/sessions/{sid}", headers=A).json()["messages"] == [] for sid in refused)
+    finally:
+        held.close()
+        _reset(gateways)
+
+
+def test_two_gateways_share_one_quota_per_key(gateways: list[LiveServer]) -> None:
+    """Streams of one key spread over two gateways: 8 in all, not 8 each; another key keeps its own."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 400, "ignore_eos": True}
+    held = _Held()
+    _slow(gateways)
+    try:
+        statuses = held.burst([("POST", gateways[i % 2].url + "/v1/chat/completions", A, body) for i in range(16)])
+        assert statuses == [200] * 8 + [429] * 8
+        other = held.burst([("POST", gateways[1].url + "/v1/chat/completions", B, body)])
+        assert other.count(200) == 9  # key B still starts
+    finally:
+        held.close()
+        _reset(gateways)
+
+
+def test_generations_are_weighed_in_sequences(gateways: list[LiveServer]) -> None:
+    """n (and best_of) count as that many sequences: two n=8 streams hold a key's 16, a third is refused."""
+    g = gateways[0]
+
+    def body(**kw: object) -> dict[str, object]:
+        return {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 400,
+                "ignore_eos": True, **kw}
+
+    held = _Held()
+    _slow(gateways)
+    try:
+        assert held.burst([("POST", g.url + "/v1/chat/completions", A, body(n=8)) for _ in range(2)]) == [200, 200]
+        third = httpx.post(g.url + "/v1/chat/completions", headers=A, json=body(n=8), timeout=30)
+        assert third.status_code == 429 and "sequences" in third.json()["error"]["message"]
+        beams = httpx.post(g.url + "/v1/chat/completions", headers=A, timeout=30,
+                           json=body(use_beam_search=True, best_of=4, n=1, stream=False, max_tokens=4))
+        assert beams.status_code == 429  # a beam search's width counts the same way
+        assert _held(_url(gateways)) == 2
+    finally:
+        held.close()
+        _reset(gateways)
+
+
+def test_persona_writes_count_against_the_key(gateways: list[LiveServer]) -> None:
+    """A persona PUT runs a prefill: refused past the key's generations; concurrent PUTs never pass the
+    per-key persona limit; a PUT the engine's full queue refuses answers 429 and stores nothing."""
+    g = gateways[0]
+    engine = g.engine  # type: ignore[attr-defined]
+    persona = {"system_prompt": "You are terse. " * 8}
+    held = _Held()
+    _slow(gateways)
+    try:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 400,
+                "ignore_eos": True}
+        assert held.burst([("POST", g.url + "/v1/chat/completions", A, body) for _ in range(8)]) == [200] * 8
+        r = httpx.put(g.url + "/v1/personas/busy", headers=A, json=persona)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "quota_exceeded"
+    finally:
+        held.close()
+        _reset(gateways)
+    statuses = []
+    threads = [threading.Thread(target=lambda i=i: statuses.append(
+        httpx.put(f"{g.url}/v1/personas/p{i}", headers=B, json=persona, timeout=30).status_code)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    mine = [p for p in httpx.get(g.url + "/v1/personas", headers=B).json()["data"] if p["scope"] == "own"]
+    assert len(mine) == statuses.count(201) <= 4 and set(statuses) <= {201, 403, 429}
+    engine.max_running = 0  # the engine's queue is full
+    try:
+        r = httpx.put(g.url + "/v1/personas/full", headers=A, json=persona)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert httpx.get(g.url + "/v1/personas/full", headers=A).status_code == 404
+    finally:
+        engine.max_running = None
+    assert _held(_url(gateways)) == 0

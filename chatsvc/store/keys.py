@@ -18,6 +18,8 @@ Keys (prefix ``chatsvc:``; ``{id}`` is written with its braces, a Redis Cluster 
 - ``instance:<name>:locks``    session ids whose lock that instance took (found again without SCAN)
 - ``instance:<name>:control``  list of JSON requests to the gateway ``name`` about the turns it generates
 - ``instances``                names of instances that may hold locks
+- ``owner:<owner>:quota:<kind>`` sorted set: one owner's places in one quota (``<id>:<weight>``) -> when
+                               the place lapses (ms, Redis time) unless its gateway renews it
 
 Redis Cluster: every key a script touches is one session's (all tagged ``{id}``, so in one hash slot) or
 the personas hash alone.
@@ -67,6 +69,10 @@ def owner_sessions_key(owner: str) -> str:
 
 def owner_personas_key(owner: str) -> str:
     return f"{P}owner:{owner}:personas"
+
+
+def quota_key(owner: str, kind: str) -> str:
+    return f"{P}owner:{owner}:quota:{kind}"
 
 
 def instance_key(name: str) -> str:

@@ -15,6 +15,15 @@ for i = 2, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
 
+# KEYS: the scope's hash; ARGV: name, JSON, most personas. 1 created, 0 replaced, -1 refused (full): the
+# count and the write in one step, so concurrent PUTs cannot both take the last place.
+_PUT_LIMITED_LUA = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then
+  return -1
+end
+return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+"""
+
 
 class PersonaLimitReached(Exception):
     """The scope already holds as many personas as it may."""
@@ -49,9 +58,18 @@ class PersonaStore(RedisStore):
         """Returns True when the persona was created (False: replaced). With ``limit``, a new persona is
         refused (:class:`PersonaLimitReached`) once the scope holds that many."""
         key = _key(owner)
-        if limit is not None and int(await self.r.hlen(key)) >= limit and not await self.r.hexists(key, name):
+        if limit is None:
+            return bool(await self.r.hset(key, name, json.dumps(body)))
+        created = int(await self._script(_PUT_LIMITED_LUA)(keys=[key], args=[name, json.dumps(body), limit]))
+        if created < 0:
             raise PersonaLimitReached(limit)
-        return bool(await self.r.hset(key, name, json.dumps(body)))
+        return bool(created)
+
+    async def persona_room(self, name: str, owner: str, limit: int) -> bool:
+        """Whether ``owner`` may write ``name`` now (it exists, or there is room): a cheap early look,
+        so a PUT that would be refused runs no prefill; :meth:`put_persona` decides atomically."""
+        key = _key(owner)
+        return bool(await self.r.hexists(key, name)) or int(await self.r.hlen(key)) < limit
 
     async def delete_persona(self, name: str, owner: str | None = None) -> bool:
         return bool(await self.r.hdel(_key(owner), name))
