@@ -29,13 +29,14 @@ WS_KEY_PROTOCOL_PREFIX = "chatsvc.key."
 WS_PROTOCOL = "chatsvc"
 SECRET_RETRY_AFTER_S = 2
 TOKEN_PREFIX = "cst1."
+MAX_EXPIRY_DIGITS = 12  # a Unix time in seconds for the next thirty thousand years
 
 
 def owner_id(key: str, secret: bytes) -> str:
     return "k" + hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
-def _sign(token_key: bytes, owner: str, expires: int) -> str:
+def _sign(token_key: bytes, owner: str, expires: str) -> str:
     return hmac.new(token_key, f"{TOKEN_PREFIX}{owner}.{expires}".encode(), hashlib.sha256).hexdigest()
 
 
@@ -89,7 +90,7 @@ class Auth:
         """(an access token for ``owner`` valid for ``ttl_s`` seconds, its expiry as a Unix time)."""
         self._secret_known()
         expires = int(time.time() if now is None else now) + ttl_s
-        return f"{TOKEN_PREFIX}{owner}.{expires}.{_sign(self._token_key, owner, expires)}", expires
+        return f"{TOKEN_PREFIX}{owner}.{expires}.{_sign(self._token_key, owner, str(expires))}", expires
 
     def check_token(self, token: str, now: float | None = None) -> str:
         """The owner id an access token names, or 401 if it is malformed, forged, expired or of a key no
@@ -97,8 +98,10 @@ class Auth:
         owners = self._secret_known()
         owner, _, rest = token[len(TOKEN_PREFIX):].partition(".")
         expiry, _, signature = rest.partition(".")
-        if not expiry.isdigit() or not hmac.compare_digest(signature.encode(),
-                                                            _sign(self._token_key, owner, int(expiry)).encode()):
+        # The signature over the text as sent is checked before anything parses it: a crafted expiry (a
+        # non-ASCII digit, thousands of digits) is just a bad signature, never a parse error.
+        if not hmac.compare_digest(signature.encode(), _sign(self._token_key, owner, expiry).encode()) or not (
+                expiry.isascii() and expiry.isdigit() and len(expiry) <= MAX_EXPIRY_DIGITS):
             raise APIError(401, "invalid access token", code="invalid_api_key")
         if int(expiry) <= (time.time() if now is None else now):
             raise APIError(401, "access token expired; get a new one from POST /v1/auth/token",

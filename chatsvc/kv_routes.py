@@ -11,6 +11,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -69,13 +70,21 @@ async def kv_stream(request: Request) -> Response:
     gw = gateway(request)
     owner = gw.auth.from_http(request.headers, request.query_params)
     session = await _session_for_kv(gw, request, owner)
+    # Each connection holds a send loop that renders the picture every interval: counted per key, and a
+    # reader that stops reading is dropped after the send timeout.
+    lease = await gw.quotas.open_kv_stream(owner)
 
     async def events() -> AsyncIterator[dict[str, str]]:
-        while True:
-            yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, owner, session))}
-            await asyncio.sleep(gw.settings.kv_stream_interval_s)
+        try:
+            while True:
+                yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, owner, session))}
+                await asyncio.sleep(gw.settings.kv_stream_interval_s)
+        finally:
+            await lease.release()
 
-    return EventSourceResponse(events(), ping=15)
+    # The background release also covers a client gone before the generator ever started.
+    return EventSourceResponse(events(), ping=15, send_timeout=gw.settings.sse_send_timeout_s,
+                               background=BackgroundTask(lease.release))
 
 
 routes = [

@@ -30,7 +30,7 @@ R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
 async def list_models(request: Request) -> JSONResponse:
     gw = gateway(request)
-    gw.auth.from_http(request.headers)
+    gw.auth.from_http(request.headers, request.query_params)
     data = [{"id": gw.engine.model_name, "object": "model", "created": 0, "owned_by": "chatsvc",
              "max_model_len": gw.engine.max_model_len}]
     return JSONResponse({"object": "list", "data": data})
@@ -124,7 +124,7 @@ def _usage(last: dict[int, Any], prompt_tokens: int) -> dict[str, Any]:
 async def _parse_request(request: Request, schema: type[R]) -> tuple[Gateway, str, R, str]:
     """(gateway, caller, request, model name), all checked that can be before the prompt is tokenized."""
     gw = gateway(request)
-    owner = gw.auth.from_http(request.headers)
+    owner = gw.auth.from_http(request.headers, request.query_params)
     req = parse(schema, await read_json(request, gw.settings.max_body_bytes))
     model = gw.check_model(req.model)
     if req.n > gw.settings.max_n:
@@ -220,10 +220,15 @@ async def completions(request: Request) -> Response:
         prompt_text = req.prompt if isinstance(req.prompt, str) else str(req.prompt[0])
         prompt_ids = await gw.offload.encode(prompt_text)
     else:
+        # Refused by length before any work; checked and decoded off the event loop (a long list takes
+        # the tokenizer a while).
+        if len(req.prompt) >= gw.engine.max_model_len:
+            raise APIError(400, f"the prompt is {len(req.prompt)} token ids; the context is "
+                           f"{gw.engine.max_model_len}", code="context_length_exceeded", param="prompt")
         prompt_ids = [int(t) for t in req.prompt]
         if any(t < 0 or t >= tok.vocab_size for t in prompt_ids):
             raise APIError(400, "prompt token id out of range", code="invalid_value", param="prompt")
-        prompt_text = tok.decode(prompt_ids, skip_special_tokens=False)
+        prompt_text = await gw.offload.run(lambda: tok.decode(prompt_ids, skip_special_tokens=False))
     if not prompt_ids:
         raise APIError(400, "prompt must contain at least one token", code="invalid_value", param="prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), gw.engine.max_model_len, 16)

@@ -264,7 +264,9 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # "turn:stream-id", a bare stream id, or "turn:" (a Redis stream id is "ms-seq", "ms" alone or "0").
-EVENT_ID = re.compile(r"^(?:\d{1,9}:)?(?:\d{1,20}(?:-\d{1,20})?)?$")
+# ASCII digits only (``\d`` alone also matches other scripts' digits), matched whole (``$`` would let a
+# trailing newline through); each stream-id part must also fit Redis's 64-bit integers.
+EVENT_ID = re.compile(r"(?:\d{1,9}:)?(?:(\d{1,20})(?:-(\d{1,20}))?)?", re.ASCII)
 
 
 def session_not_found(sid: str) -> APIError:
@@ -278,6 +280,7 @@ def check_session_id(sid: str) -> None:
 
 
 def check_event_id(value: str | None, param: str = "after") -> None:
-    if value and not EVENT_ID.match(value):
+    match = EVENT_ID.fullmatch(value) if value else None
+    if value and (match is None or any(int(part) >= 1 << 64 for part in match.groups() if part)):
         raise APIError(400, f"{param} must be an event id ('turn:stream-id') as sent in a reply",
                        code="invalid_value", param=param)

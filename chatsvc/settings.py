@@ -95,6 +95,8 @@ class Settings:
     ws_auth_timeout_s: float = 10.0
     ws_idle_timeout_s: float = 600.0
     ws_frames_per_second: float = 20.0
+    # A WebSocket frame that cannot be sent in this long (the client stopped reading) ends the reply's pump.
+    ws_send_timeout_s: float = 30.0
     max_readers_per_reply: int = 8
     # Requests of one key admitted and still waiting for their first token, as a share of the engine's
     # waiting queue (--max-waiting): one key cannot fill the queue and lock every other key out.

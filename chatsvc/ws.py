@@ -44,7 +44,10 @@ class Connection:
         await self.send_text(json.dumps(frame))
 
     async def send_text(self, text: str) -> None:
-        async with self.send_lock:
+        """Send one frame; one that does not go out within ``ws_send_timeout_s`` (a client that stopped
+        reading, its TCP window full) raises TimeoutError: the pump stops and the reply loses this reader
+        (grace/abort rules) instead of being held in memory for it."""
+        async with self.send_lock, asyncio.timeout(self.gw.settings.ws_send_timeout_s):
             await self.ws.send_text(text)
 
     async def error(self, code: str, message: str) -> None:

@@ -72,6 +72,18 @@ def test_host(host: str | None, ok: bool) -> None:
     assert host_allowed(host, ("*",))
 
 
+def test_a_crafted_expiry_is_an_invalid_signature_not_an_error() -> None:
+    """The signature is checked over the text as sent before the expiry is parsed: digits int() refuses
+    (a superscript, thousands of them) or that parse but were never signed are all a plain 401."""
+    auth = Auth(("k1",))
+    auth.set_secret(SECRET)
+    owner = auth.check_key("k1")
+    for expiry in ("\u00b2\u00b2", "9" * 5000, "\u0661\u0662", "12\n", " 12"):
+        with pytest.raises(APIError) as e:
+            auth.check_token(f"cst1.{owner}.{expiry}.{'0' * 64}")
+        assert (e.value.status, e.value.code) == (401, "invalid_api_key"), expiry
+
+
 def test_access_tokens_name_their_owner_expire_and_cannot_be_forged() -> None:
     auth = Auth(("k1", "k2"), admin_keys=("adm",))
     auth.set_secret(SECRET)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -39,3 +40,26 @@ def test_state_changing_requests_from_another_origin_are_refused() -> None:
     r = c.post("/x", headers={"Origin": "https://evil.example"})
     assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
     assert c.get("/x", headers={"Origin": "https://evil.example"}).status_code == 200  # reads change nothing
+
+
+def test_a_key_in_the_url_is_refused_on_every_route() -> None:
+    c = client()
+    for path in ("/x?api_key=k", "/x?a=1&api_key=", "/health?api_key=k", "/nowhere?api_key=k"):
+        r = c.get(path)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "api_key_in_url", path
+    assert c.get("/x?not_api_key=1&q=api_key").status_code == 200  # only the parameter itself
+
+
+def test_a_key_in_a_websocket_url_is_refused_in_the_handshake() -> None:
+    from starlette.routing import WebSocketRoute
+    from starlette.websockets import WebSocket, WebSocketDisconnect
+
+    async def echo(ws: WebSocket) -> None:
+        await ws.accept()
+        await ws.close()
+
+    app = Starlette(routes=[WebSocketRoute("/ws", echo)],
+                    middleware=[Middleware(RequestGuard, allowed_hosts=("*",), allowed_origins=())])
+    with pytest.raises(WebSocketDisconnect) as exc, TestClient(app).websocket_connect("/ws?api_key=k"):
+        pass
+    assert exc.value.code == 1008

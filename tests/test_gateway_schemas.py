@@ -4,7 +4,13 @@ import pydantic
 import pytest
 
 from chatsvc.errors import APIError
-from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, SessionMessage, resolve_max_tokens
+from chatsvc.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SessionMessage,
+    check_event_id,
+    resolve_max_tokens,
+)
 
 
 def test_chat_request_maps_to_sampling_params() -> None:
@@ -59,3 +65,16 @@ def test_resolve_max_tokens() -> None:
         with pytest.raises(APIError) as e:
             resolve_max_tokens(*args)
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("value", ["1:5-0", "5-0", "1:", "12", "1:18446744073709551615-18446744073709551615"])
+def test_event_ids_as_sent_are_accepted(value: str) -> None:
+    check_event_id(value)
+
+
+@pytest.mark.parametrize("value", ["1:99999999999999999999", "1:18446744073709551616", "1:\u0661", "1:5\n",
+                                   "\u0661:5", "1:5-0 ", "x", "1:-5"])
+def test_event_ids_out_of_range_non_ascii_or_with_a_newline_are_400(value: str) -> None:
+    with pytest.raises(APIError) as exc:
+        check_event_id(value)
+    assert exc.value.status == 400 and exc.value.param == "after"

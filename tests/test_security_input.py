@@ -152,3 +152,55 @@ def test_history_outgrowing_the_context_drops_oldest_turns(server: LiveServer) -
         while (frame := json.loads(ws.recv(timeout=60)))["type"] == "delta":
             pass
         assert frame["type"] == "done" and frame["truncated_turns"] >= 1
+
+
+def test_event_ids_are_ascii_digits_in_range_refused_before_the_stream(server: LiveServer) -> None:
+    """A resume point above 2^64, with non-ASCII digits or a trailing newline: 400 before any stream starts
+    (over ``?after=``, Last-Event-ID and a WebSocket resume), never a stream cut without its terminal event."""
+    sid = httpx.post(server.url + "/v1/sessions", json={}, headers=A).json()["id"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/messages", headers=A, timeout=60,
+                   json={"content": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+    for raw in ("1:99999999999999999999", "1:%D9%A1", "1:5%0A", "%D9%A1:5"):
+        r = httpx.get(f"{server.url}/v1/sessions/{sid}/stream?after={raw}", headers=A, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "after", raw
+    r = httpx.get(f"{server.url}/v1/sessions/{sid}/stream", headers={**A, "Last-Event-ID": "1:18446744073709551616"},
+                  timeout=30)
+    assert r.status_code == 400
+    ok = httpx.get(f"{server.url}/v1/sessions/{sid}/stream?after=1:0", headers=A, timeout=30)
+    assert ok.status_code == 200 and '"done"' in ok.text
+    with connect(server.ws_url + "/v1/ws", additional_headers=A) as ws:
+        ws.send(json.dumps({"type": "hello", "session_id": sid}))
+        assert json.loads(ws.recv(timeout=30))["type"] == "session"
+        ws.send(json.dumps({"type": "resume", "after": "1:5\n"}))
+        got = json.loads(ws.recv(timeout=30))
+        assert got["type"] == "error" and got["code"] == "invalid_value"
+
+
+def test_a_crafted_token_expiry_is_401(server: LiveServer) -> None:
+    for expiry in ("\u00b2\u00b2", "9" * 5000):
+        token = f"cst1.k{'0' * 32}.{expiry}.{'0' * 64}"
+        # As a client can send it: bytes that read back (latin-1) as those characters.
+        r = httpx.get(server.url + "/v1/personas", headers={b"Authorization": ("Bearer " + token).encode("latin-1")})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_token_id_prompts_are_capped_before_any_work(server: LiveServer) -> None:
+    """A token-id prompt longer than the context is refused by its length (400), however long it is; one
+    that fits is checked and decoded off the event loop and served."""
+    limit = server.engine.max_model_len  # type: ignore[attr-defined]
+    for ids in ([1] * limit, [1] * 200_000):
+        r = httpx.post(server.url + "/v1/completions", headers=A, timeout=60,
+                       json={"prompt": ids, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = httpx.post(server.url + "/v1/completions", headers=A, timeout=60,
+                   json={"prompt": [5] * 40, "max_tokens": 1, "echo": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 40
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/kv"),
+    ("GET", "/v1/personas"), ("POST", "/v1/sessions"), ("GET", "/health"), ("POST", "/v1/auth/token")])
+def test_a_key_in_the_url_is_refused_everywhere(server: LiveServer, method: str, path: str) -> None:
+    r = httpx.request(method, f"{server.url}{path}?api_key={KEY}", headers=A, json={})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "api_key_in_url"

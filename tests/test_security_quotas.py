@@ -28,7 +28,8 @@ KA, KB = "key-a", "key-b"
 A, B = ({"Authorization": f"Bearer {k}"} for k in (KA, KB))
 SETTINGS = Settings(api_keys=(KA, KB), web_dir=Path("/nonexistent"), max_pinned_fraction=1.0,
                     max_streams_per_key=2, max_sessions_per_minute=4, max_sockets_per_key=2, ws_auth_timeout_s=0.5,
-                    ws_idle_timeout_s=1.5, ws_frames_per_second=5, max_readers_per_reply=2)
+                    ws_idle_timeout_s=1.5, ws_frames_per_second=5, max_readers_per_reply=2,
+                    max_kv_streams_per_key=2)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,25 @@ def test_readers_of_one_reply(server: LiveServer) -> None:
             assert third.status_code == 429 and third.json()["error"]["code"] == "quota_exceeded"
     finally:
         server.engine.reset()  # type: ignore[attr-defined]
+
+
+def test_kv_streams_per_key(server: LiveServer) -> None:
+    """Each /v1/kv/stream connection holds a send loop: at most the key's cap are open at once."""
+    with ExitStack() as stack:
+        for _ in range(2):
+            r = stack.enter_context(httpx.stream("GET", server.url + "/v1/kv/stream", headers=A, timeout=30))
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines).startswith("event: kv")
+            stack.callback(lines.close)
+        third = httpx.get(server.url + "/v1/kv/stream", headers=A, timeout=30)
+        assert third.status_code == 429 and third.json()["error"]["code"] == "quota_exceeded"
+        other = stack.enter_context(httpx.stream("GET", server.url + "/v1/kv/stream", headers=B, timeout=30))
+        assert other.status_code == 200
+    deadline = time.monotonic() + 10
+    while _held(server.redis_url, "kv_streams") and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.05)
+    assert not _held(server.redis_url, "kv_streams")  # type: ignore[attr-defined]
 
 
 def _stalled_request(port: int, path: str, body: dict[str, object], headers: dict[str, str]) -> socket.socket:
