@@ -1,11 +1,16 @@
 """/v1/kv and /v1/kv/stream: the engine's block-pool picture (for the web UI's KV view), optionally
-with one session's blocks picked out."""
+with one session's blocks picked out.
+
+A tenant sees its own requests and pins by name and everyone else's only as opaque labels; the operators'
+detail (the workers by name with their pin lists and routing, the kernel runtime) only the operators see:
+an admin key, the metrics key, or the one owner of a server without keys."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from chatsvc.auth import ANON, bearer
 from chatsvc.context import Gateway, gateway
 from chatsvc.personas import pin_key
 from chatsvc.session_ops import load_session
@@ -34,9 +40,22 @@ def _visible(gw: Gateway, snap: KVSnapshot, owner: str) -> KVSnapshot:
     return dataclasses.replace(snap, requests=requests, pins=pins)
 
 
-async def _kv_payload(gw: Gateway, owner: str, session: dict[str, Any] | None) -> dict[str, Any]:
+OPERATOR_DETAIL = ("workers", "route_decisions", "runtime")
+
+
+def _tenant_view(payload: dict[str, Any]) -> dict[str, Any]:
+    """The picture without the operators' detail: worker names (hosts, pids) become their pool's place."""
+    view = {k: v for k, v in payload.items() if k not in OPERATOR_DETAIL}
+    view["pools"] = [{**pool, "worker": f"worker-{i}"} for i, pool in enumerate(payload.get("pools", []))]
+    return view
+
+
+async def _kv_payload(gw: Gateway, owner: str, session: dict[str, Any] | None,
+                      operator: bool = False) -> dict[str, Any]:
     snap = gw.engine.kv_snapshot()
-    payload: dict[str, Any] = {**_visible(gw, snap, owner).to_json(), **gw.engine.stats().to_json()}
+    stats = gw.engine.stats().to_json()
+    payload = ({**snap.to_json(), **stats} if operator
+               else _tenant_view({**_visible(gw, snap, owner).to_json(), **stats}))
     if session is not None:
         at = gw.turns.active.get(session["id"])
         rid = at.request_id if at else None
@@ -60,15 +79,24 @@ async def _session_for_kv(gw: Gateway, request: Request, owner: str) -> dict[str
     return {"id": meta.id, "persona": meta.persona}
 
 
+def _caller(gw: Gateway, request: Request) -> tuple[str, bool]:
+    """(owner, whether an operator asks): the metrics key is an operator's, not a tenant's."""
+    want, got = gw.settings.metrics_key, bearer(request.headers)
+    if want is not None and got is not None and secrets.compare_digest(got.encode(), want.encode()):
+        return ANON, True
+    owner = gw.auth.from_http(request.headers, request.query_params)
+    return owner, gw.auth.is_admin(owner)
+
+
 async def kv(request: Request) -> JSONResponse:
     gw = gateway(request)
-    owner = gw.auth.from_http(request.headers, request.query_params)
-    return JSONResponse(await _kv_payload(gw, owner, await _session_for_kv(gw, request, owner)))
+    owner, operator = _caller(gw, request)
+    return JSONResponse(await _kv_payload(gw, owner, await _session_for_kv(gw, request, owner), operator))
 
 
 async def kv_stream(request: Request) -> Response:
     gw = gateway(request)
-    owner = gw.auth.from_http(request.headers, request.query_params)
+    owner, operator = _caller(gw, request)
     session = await _session_for_kv(gw, request, owner)
     # Each connection holds a send loop that renders the picture every interval: counted per key, and a
     # reader that stops reading is dropped after the send timeout.
@@ -77,7 +105,7 @@ async def kv_stream(request: Request) -> Response:
     async def events() -> AsyncIterator[dict[str, str]]:
         try:
             while True:
-                yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, owner, session))}
+                yield {"event": "kv", "data": json.dumps(await _kv_payload(gw, owner, session, operator))}
                 await asyncio.sleep(gw.settings.kv_stream_interval_s)
         finally:
             await lease.release()

@@ -175,6 +175,37 @@ async def test_persona_sessions_spread_over_both_workers_each_pinning_it_once(
     assert [b >= offsets[1] for b in sorted(pinned)] == [False, False, True, True]
 
 
+async def test_kv_shows_tenants_no_workers_and_operators_everything(
+        gateway: RemoteEngine, redis_proc) -> None:  # noqa: F811
+    """In scale-out mode /v1/kv tells a tenant nothing of the workers (hosts, pids, every tenant's pin names)
+    or the runtime; an admin key and the metrics key get the operators' detail."""
+    import httpx
+
+    from chatsvc.app import create_app, load_secret
+    from chatsvc.settings import Settings
+    from chatsvc.store import Store
+
+    await wait_for(lambda: len(gateway.kv_snapshot().pools) == 2 and gateway.stats().workers)
+    app = create_app(gateway, Store.from_url(redis_proc.url),
+                     Settings(api_keys=("tenant",), admin_keys=("admin",), metrics_key="scrape"))
+    await load_secret(app.state.gateway)  # the lifespan (which would start the engine again) does not run
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+        async def kv(key: str) -> dict[str, object]:
+            r = await client.get("/v1/kv", headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return dict(r.json())
+
+        tenant = await kv("tenant")
+        assert not {"workers", "route_decisions", "runtime"} & set(tenant)
+        assert [p["worker"] for p in tenant["pools"]] == ["worker-0", "worker-1"]  # type: ignore[index]
+        assert not any(name in json.dumps(tenant) for name in gateway.workers)
+        for operator in ("admin", "scrape"):
+            full = await kv(operator)
+            assert set(full["workers"]) == set(gateway.workers)  # type: ignore[arg-type]
+            assert {p["worker"] for p in full["pools"]} == set(gateway.workers)  # type: ignore[index]
+
+
 async def test_abort_from_a_second_gateway_frees_the_blocks_on_the_worker(
         gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
     other = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1)
