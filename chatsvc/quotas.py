@@ -1,5 +1,5 @@
 """Per-key quotas: concurrent generations (counted in requests and in sequences), requests waiting for the
-engine, new sessions per minute, open WebSockets, open ``/v1/kv/stream`` connections, readers of a reply.
+engine, new sessions per minute, live sessions, open WebSockets, open ``/v1/kv/stream`` connections, readers of a reply.
 Only with API keys (without them there is one owner, the operator). Past a quota: 429 with Retry-After (a
 WS error frame), counted in ``chatsvc_quota_refused_total{quota}``.
 
@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from chatsvc.auth import ANON
 from chatsvc.errors import APIError
 from chatsvc.settings import Settings
+from chatsvc.store.keys import quota_key
 from chatsvc.store.quotas import QuotaPlace, QuotaStore
 
 if TYPE_CHECKING:
@@ -142,6 +143,31 @@ class Quotas:
                                           SESSION_WINDOW_MS)
         if not isinstance(got, QuotaPlace):
             raise self._limited("sessions", "too many new sessions this minute", limit, got.wait_ms // 1000 + 1)
+
+    # A live session holds a place named by its id, lapsing when the session would expire (its idle TTL,
+    # renewed by each turn) and given back when it is deleted.
+    def _session_place(self, owner: str, sid: str) -> QuotaPlace:
+        return QuotaPlace(quota_key(owner, "live_sessions"), f"{sid}:1")
+
+    async def live_session(self, owner: str, sid: str) -> None:
+        """Count a new session ``sid`` against ``owner``'s live sessions (429 past ``max_live_sessions_per_key``)."""
+        if not self.applies(owner):
+            return
+        limit = self.settings.max_live_sessions_per_key
+        got = await self.store.take_place(owner, "live_sessions", sid, 1, limit, UNLIMITED,
+                                          self.settings.session_ttl_s * 1000)
+        if not isinstance(got, QuotaPlace):
+            raise self._limited("live_sessions", "too many live sessions; delete some", limit,
+                                self.settings.retry_after_s)
+
+    async def session_used(self, owner: str, sid: str) -> None:
+        """A turn renews the session's TTL; its place lives as long."""
+        if self.applies(owner):
+            await self.store.renew_places([self._session_place(owner, sid)], self.settings.session_ttl_s * 1000)
+
+    async def session_gone(self, owner: str, sid: str) -> None:
+        if self.applies(owner):
+            await self.store.give_back_place(self._session_place(owner, sid))
 
     async def open_socket(self, owner: str) -> Lease:
         return await self._connection(owner, "sockets", "too many open WebSockets",

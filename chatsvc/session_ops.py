@@ -16,6 +16,7 @@ from chatsvc.errors import APIError
 from chatsvc.personas import DEFAULT_PERSONA
 from chatsvc.schemas import SessionMessage, check_event_id, check_session_id, session_not_found
 from chatsvc.store import SessionMeta
+from chatsvc.store.sessions import new_session_id
 from chatsvc.turns import ActiveTurn, parse_event_id
 
 
@@ -34,8 +35,14 @@ async def create_session(gw: Gateway, owner: str, persona: str | None, title: st
     if found is None:
         raise APIError(404, f"persona {name!r} not found", code="persona_not_found", param="persona")
     body = found[1]
-    # The prompt is copied so later edits of the persona do not rewrite existing conversations.
-    return await gw.store.create_session(owner, name, body["system_prompt"], title or "")
+    sid = new_session_id()
+    await gw.quotas.live_session(owner, sid)
+    try:
+        # The prompt is copied so later edits of the persona do not rewrite existing conversations.
+        return await gw.store.create_session(owner, name, body["system_prompt"], title or "", sid)
+    except BaseException:
+        await gw.quotas.session_gone(owner, sid)
+        raise
 
 
 async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
@@ -74,6 +81,11 @@ async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> R
     """Store the user's message and start the reply; the caller reads it from the start."""
     await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a bad schema stores no message
     lease = await gw.quotas.reserve_generation(meta.owner)  # the turn gives it back when it ends
+    try:
+        await gw.quotas.session_used(meta.owner, meta.id)
+    except BaseException:
+        await lease.release()
+        raise
     with gw.quotas.admitting(meta.owner):
         at = await gw.turns.start(meta, req.content, req, lease)
     return ReplyReader(gw, meta.id, at.turn, "0", at)

@@ -37,7 +37,8 @@ async def session(request: Request) -> JSONResponse:
     meta = await ops.load_session(gw, sid, owner)
     if request.method == "DELETE":
         await gw.turns.cancel(meta.id)
-        await gw.store.delete_session(sid, owner)
+        if await gw.store.delete_session(sid, owner):
+            await gw.quotas.session_gone(owner, sid)
         return JSONResponse({"id": sid, "deleted": True})
     return JSONResponse(await ops.session_view(gw, meta))
 

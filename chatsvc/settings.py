@@ -89,6 +89,9 @@ class Settings:
     # the last renewal.
     quota_lease_ttl_s: float = 30.0
     max_sessions_per_minute: int = _flag(30, "--max-sessions-per-minute", "new sessions per API key a minute")
+    max_live_sessions_per_key: int = _flag(
+        1000, "--max-live-sessions-per-key",
+        "sessions an API key may hold at once (deleted or expired ones do not count)")
     max_sockets_per_key: int = _flag(16, "--max-sockets-per-key", "open WebSockets per API key")
     # A WebSocket must authenticate within this, is closed after this long without a frame while no reply
     # streams, and may send this many frames a second (bursts of twice that).

@@ -72,6 +72,23 @@ async def test_new_sessions_per_minute_are_a_sliding_window(store: Store) -> Non
     await q.new_session("other")
 
 
+async def test_live_sessions_are_capped_until_deleted_or_expired(store: Store) -> None:  # noqa: F811
+    q = Quotas(settings(max_live_sessions_per_key=2, session_ttl_s=1), store)
+    await q.live_session("k", "s1")
+    await q.live_session("k", "s2")
+    with pytest.raises(APIError) as exc:
+        await q.live_session("k", "s3")
+    assert exc.value.status == 429 and "live sessions" in exc.value.message
+    await q.live_session("other", "s3")  # another key's own
+    await q.session_gone("k", "s1")
+    await q.live_session("k", "s3")
+    await asyncio.sleep(0.6)
+    await q.session_used("k", "s3")  # a turn renews its session's TTL, and its place with it
+    await asyncio.sleep(0.6)
+    assert await store.places_held("k", "live_sessions") == (1, 1)  # s2 expired; s3 lives on
+    await q.live_session("k", "s4")
+
+
 async def test_open_connections_are_capped_and_released(store: Store) -> None:  # noqa: F811
     q = Quotas(settings(max_sockets_per_key=1, max_kv_streams_per_key=1), store)
     socket = await q.open_socket("k")

@@ -242,7 +242,8 @@ def _held(url: str, kind: str = "generations") -> int:
 
 
 FAIR = Settings(api_keys=(KA, KB), web_dir=Path("/nonexistent"), max_pinned_fraction=1.0, max_streams_per_key=8,
-                max_sequences_per_key=16, max_sessions_per_minute=100, max_personas_per_key=4)
+                max_sequences_per_key=16, max_sessions_per_minute=100, max_personas_per_key=4,
+                max_live_sessions_per_key=30)
 
 
 @pytest.fixture(scope="module")
@@ -408,3 +409,16 @@ def test_persona_writes_count_against_the_key(gateways: list[LiveServer]) -> Non
     finally:
         engine.max_running = None
     assert _held(_url(gateways)) == 0
+
+
+def test_live_sessions_per_key(gateways: list[LiveServer]) -> None:
+    """A key holds at most its cap of live sessions, on every gateway together; deleting one frees a place."""
+    _clear_session_windows(_url(gateways))
+    sids = [httpx.post(gateways[i % 2].url + "/v1/sessions", json={}, headers=B).json()["id"] for i in range(30)]
+    r = httpx.post(gateways[0].url + "/v1/sessions", json={}, headers=B)
+    assert r.status_code == 429 and "live sessions" in r.json()["error"]["message"]
+    with connect(gateways[1].ws_url + "/v1/ws", additional_headers=B) as ws:
+        ws.send(json.dumps({"type": "hello"}))
+        assert json.loads(ws.recv(timeout=10))["code"] == "quota_exceeded"
+    assert httpx.delete(f"{gateways[1].url}/v1/sessions/{sids[0]}", headers=B).status_code == 200
+    assert httpx.post(gateways[0].url + "/v1/sessions", json={}, headers=B).status_code == 201

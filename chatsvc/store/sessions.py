@@ -46,10 +46,15 @@ def _meta(raw: dict[str, str], owner: str) -> SessionMeta | None:
                        float(raw["created"]), float(raw["updated"]), int(raw["turns"]))
 
 
+def new_session_id() -> str:
+    return secrets.token_urlsafe(21)
+
+
 class SessionStore(RedisStore):
-    async def create_session(self, owner: str, persona: str, system_prompt: str, title: str = "") -> SessionMeta:
+    async def create_session(self, owner: str, persona: str, system_prompt: str, title: str = "",
+                             sid: str | None = None) -> SessionMeta:
         now = time.time()
-        meta = SessionMeta(secrets.token_urlsafe(21), owner, persona, system_prompt, title, now, now, 0)
+        meta = SessionMeta(sid or new_session_id(), owner, persona, system_prompt, title, now, now, 0)
         key, index = session_key(meta.id), owner_sessions_key(owner)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={**dataclasses.asdict(meta), "replied": 0})
