@@ -100,6 +100,8 @@ __all__ = ["RemoteEngine", "WorkerLost"]
 
 POLL_S = 0.25
 WAIT_FOR_WORKER_S = 10.0
+# Entries a worker control stream keeps (about: trimmed a node at a time); far more than a live worker lags.
+CONTROL_MAXLEN = 1000
 ROUTE_TTL_S = 24 * 3600
 # The counters that add up over workers; the others (estimates, thread counts) are per engine.
 _SUMMED = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "cpu_blocks_total", "cpu_blocks_free",
@@ -128,8 +130,9 @@ class RemoteEngine(EngineClient):
     def __init__(self, redis: Any, tokenizer: Tokenizer, model_name: str, *, max_model_len: int = 2048,
                  keys: Keys | None = None, router: Router | None = None, session_ttl_s: int = SESSION_TTL_S,
                  poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S,
-                 stream_limits: StreamLimits | None = None) -> None:
+                 stream_limits: StreamLimits | None = None, control_maxlen: int = CONTROL_MAXLEN) -> None:
         self.r = redis
+        self.control_maxlen = control_maxlen
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len  # until a worker says what it serves
@@ -351,7 +354,7 @@ class RemoteEngine(EngineClient):
                 log.warning("request %s: its reader is %d entries behind; aborting it", rid, unread)
                 r.overflowed = True
                 self.stream_counters.overflowed += 1
-                await self.r.xadd(self.keys.control(r.worker), encode(Abort(rid)))
+                await self._tell(self.r, r.worker, Abort(rid))
 
     @staticmethod
     def _retext(detok: IncrementalDetokenizer, delta: RequestDelta) -> bool:
@@ -460,7 +463,7 @@ class RemoteEngine(EngineClient):
         try:
             pipe = self.r.pipeline(transaction=False)
             if aborted:
-                pipe.xadd(k.control(where[0]), encode(Abort(request_id)))
+                self._tell(pipe, where[0], Abort(request_id))
             pipe.delete(k.request(request_id), k.out(where[1]))
             await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - the stream is over either way; its keys expire
@@ -507,7 +510,7 @@ class RemoteEngine(EngineClient):
         """Abort a request wherever it runs (this gateway's or another's)."""
         raw = await self.r.get(self.keys.request(request_id))
         if raw is not None:
-            await self.r.xadd(self.keys.control(json.loads(raw)["worker"]), encode(Abort(request_id)))
+            await self._tell(self.r, json.loads(raw)["worker"], Abort(request_id))
 
     # -- prefixes ---------------------------------------------------------------------------------
     async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
@@ -578,10 +581,16 @@ class RemoteEngine(EngineClient):
             pipe = self.r.pipeline(transaction=False)
             first(pipe)
             for wid in workers:
-                pipe.xadd(self.keys.control(wid), encode(msg))
+                self._tell(pipe, wid, msg)
             await pipe.execute()
 
         return self._spawn(send())
+
+    def _tell(self, target: Any, worker: str, msg: Abort | Unpin | WantSnapshot) -> Any:
+        """Append ``msg`` to ``worker``'s control stream (on ``target``: the connection or a pipeline). The
+        stream is trimmed to about ``control_maxlen`` entries: a worker acts on each as it reads it, so only
+        entries long read (or a dead worker's) are dropped, and the stream never grows without bound."""
+        return target.xadd(self.keys.control(worker), encode(msg), maxlen=self.control_maxlen, approximate=True)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

@@ -206,6 +206,24 @@ async def test_kv_shows_tenants_no_workers_and_operators_everything(
             assert {p["worker"] for p in full["pools"]} == set(gateway.workers)  # type: ignore[index]
 
 
+async def test_worker_control_streams_are_trimmed(redis_proc, tiny: Path,  # noqa: F811
+                                                  workers: list[WorkerProc]) -> None:
+    """Every control message (here unpins, sent to every worker) is appended with a MAXLEN: the streams stay
+    about that long however many are sent."""
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, control_maxlen=50)
+    await eng.start()
+    try:
+        await wait_for(lambda: len(eng.workers) == 2)
+        r = redis.Redis.from_url(redis_proc.url)
+        for i in range(400):
+            eng.unpin_prefix(f"persona:nothing-{i}")
+        await wait_for(lambda: not eng._unpinning)
+        lengths = [r.xlen(Keys().control(wid)) for wid in eng.workers]
+        assert all(n <= 50 + 100 for n in lengths), lengths  # trimmed a whole node (100 entries) at a time
+    finally:
+        await eng.stop()
+
+
 async def test_abort_from_a_second_gateway_frees_the_blocks_on_the_worker(
         gateway: RemoteEngine, redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
     other = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1)
