@@ -249,9 +249,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a smoke run in well under a minute (tiny traces)")
     parser.add_argument("--figures", default="12,13,14,17", help="which of 12,13,14,17 to run (13 comes with 12)")
     parser.add_argument("--window", type=float, default=15.0, help="seconds of arrivals per run")
-    parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--min-requests", type=int, default=3)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
-    parser.add_argument("--rate-multipliers", type=floats, default=[1.0, 2.0, 4.0, 8.0],
+    parser.add_argument("--rate-multipliers", type=floats, default=[2.0, 4.0, 8.0],
                         help="the rates of Figs. 12, 13, as multiples of 1/T1")
     parser.add_argument("--chat-multipliers", type=floats, default=[1.0, 3.0, 6.0])
     parser.add_argument("--fig14-multipliers", type=floats, default=[2.0, 6.0])
@@ -259,7 +259,7 @@ def parse_args() -> argparse.Namespace:
                         help="no new run starts after this many minutes; a sweep cut short says so")
     parser.add_argument("--threshold", type=float, default=4.0,
                         help="the sustained-rate bound, as a multiple of the unloaded normalized latency")
-    parser.add_argument("--sharegpt-output-mean", type=float, default=48.0)
+    parser.add_argument("--sharegpt-output-mean", type=float, default=32.0)
     parser.add_argument("--max-output", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=512, help="ShareGPT and Alpaca (Max reserves it)")
     parser.add_argument("--kv-tokens", type=int, default=2048, help="KV pool, ShareGPT and Alpaca")
