@@ -307,7 +307,7 @@ def main() -> None:
     alpaca = alpaca_like_trace(prompts, count, args.seed, max_output=args.max_output,
                                **({"input_mean": 8.0, "output_mean": 4.0, "max_input": 24} if args.quick else {}))
     if figures & {12, 13}:
-        sweeps["alpaca"] = sweep(short, Workload("alpaca", alpaca, short_len, args.kv_tokens), POLICIES, args,
+        sweeps["alpaca"] = sweep(short, Workload("alpaca", alpaca, short_len, args.kv_tokens), POLICIES,
                                  args.rate_multipliers, args, log)
     if 17 in figures:
         chat = chatbot_trace(prompts, count, args.chat_context, args.sharegpt_output_mean, args.max_output,
