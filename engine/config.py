@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 PreemptionMode = Literal["auto", "swap", "recompute"]
-KVReservation = Literal["paged", "max_len"]
+# How much KV a request reserves at admission. "paged" reserves nothing ahead (blocks as tokens arrive); the
+# others are the PagedAttention paper's Orca baselines, for benchmarks only: "max" (alias "max_len") reserves
+# max_model_len tokens, "pow2" the prompt plus the next power of two of the request's true output length,
+# "oracle" the prompt plus exactly that length (both read it from ``SamplingParams.reserve_output_tokens``).
+KVReservation = Literal["paged", "max", "max_len", "pow2", "oracle"]
+RESERVATIONS_NEEDING_OUTPUT_LENGTH = ("pow2", "oracle")
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["cpu", "cuda"]
 AttentionBackendName = Literal["auto", "torch", "cpu", "triton"]
@@ -52,7 +57,10 @@ class EngineConfig:
         "auto", "how a preempted request gives its blocks back when the pool is full: swap to CPU, recompute "
                 "later, or auto: whichever the engine's measured swap and prefill costs say is cheaper")
     kv_reservation: KVReservation = _setting(
-        "paged", "max_len reserves max_model_len tokens per sequence at admission (a benchmark baseline)")
+        "paged", "benchmark baselines (the paper's Orca): max (alias max_len) reserves max_model_len tokens per "
+                 "sequence at admission; pow2 the prompt + the next power of two of the request's true output "
+                 "length, oracle the prompt + exactly that length (both need reserve_output_tokens on every "
+                 "request)")
     attention_backend: AttentionBackendName = _setting(
         "auto", "auto: Triton on CUDA, the C++ kernels on CPU (torch's where they cannot be built)")
     linear_backend: LinearBackendName = _setting(
@@ -140,8 +148,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: PreemptionMode = "auto"
-    # "max_len" reserves max_model_len tokens of blocks per sequence at admission: the
-    # contiguous-reservation baseline of the PagedAttention paper, kept for benchmarks only.
+    # Anything but "paged" reserves a sequence's blocks at admission (see ``KVReservation``): the
+    # contiguous-reservation baselines of the PagedAttention paper, kept for benchmarks only.
     kv_reservation: KVReservation = "paged"
     # Bound on the waiting queue; the gateway turns a full queue into 429.
     max_waiting: int = 1024

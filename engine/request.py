@@ -64,6 +64,9 @@ class SamplingParams:
     # Structured output (``engine.grammar``): the reply follows this JSON schema or tool-call grammar. A spec,
     # not a compiled grammar, so that it crosses every transport; each engine compiles it for its tokenizer.
     grammar: GrammarSpec | None = None
+    # The request's true output length, for benchmarks of the paper's Orca baselines only: under
+    # kv_reservation "pow2" / "oracle" admission reserves KV for it (a trace knows it; a live request does not).
+    reserve_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,6 +106,11 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.reserve_output_tokens is not None and (
+                not isinstance(self.reserve_output_tokens, int) or self.reserve_output_tokens < 1
+                or (self.max_tokens is not None and self.reserve_output_tokens > self.max_tokens)):
+            raise ValueError(f"reserve_output_tokens must be an integer in [1, max_tokens], "
+                             f"got {self.reserve_output_tokens!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):

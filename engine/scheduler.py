@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, BlockPlan
-from engine.config import PreemptionMode, SchedulerConfig
+from engine.config import RESERVATIONS_NEEDING_OUTPUT_LENGTH, KVReservation, PreemptionMode, SchedulerConfig
 from engine.plan import ScheduledSeq, SchedulerOutput
 from engine.protocol import EngineStats, QueueFullError
 from engine.request import RequestStatus, Sequence, SequenceGroup
@@ -97,6 +97,22 @@ def recompute_tokens(group: SequenceGroup, resident_tokens: int = 0) -> int:
     return prompt_done - min(resident_tokens, prompt_done) + sum(max(0, c - prompt) for c in computed)
 
 
+def reservation_tokens(policy: KVReservation, max_model_len: int, prompt_tokens: int,
+                       output_tokens: int | None) -> int:
+    """Token slots a sequence reserves at admission under ``policy`` (0: none ahead, blocks as tokens come).
+    ``output_tokens`` is the request's true output length, which "pow2" rounds up to a power of two and
+    "oracle" takes as it is; the reservation never exceeds ``max_model_len``."""
+    if policy == "paged":
+        return 0
+    if policy in ("max", "max_len"):
+        return max_model_len
+    if output_tokens is None:
+        raise ValueError(f"kv_reservation={policy!r} needs reserve_output_tokens on the request")
+    if policy == "pow2":
+        output_tokens = 1 << (output_tokens - 1).bit_length()
+    return min(prompt_tokens + output_tokens, max_model_len)
+
+
 @dataclass
 class _StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -128,6 +144,10 @@ class Scheduler:
             # It could never be admitted and would block the head of the waiting queue forever.
             raise ValueError(f"{group.sampling_params.max_seqs} sequences (n or best_of) exceed "
                              f"max_num_seqs={self.config.max_num_seqs}")
+        if (self.config.kv_reservation in RESERVATIONS_NEEDING_OUTPUT_LENGTH
+                and group.sampling_params.reserve_output_tokens is None):
+            raise ValueError(f"kv_reservation={self.config.kv_reservation!r} reserves the request's true output "
+                             f"length: set sampling_params.reserve_output_tokens")
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         group.status = RequestStatus.WAITING
@@ -253,11 +273,13 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, plan: _StepPlan, budget: int) -> None:
-        reserve = self.config.max_model_len if self.config.kv_reservation == "max_len" else 0
+        reserving = self.config.kv_reservation != "paged"
         # Admitting into the last few free blocks would only preempt someone at the next decode.
-        watermark = 0 if reserve else max(1, self.block_manager.device.num_blocks // 100)
+        watermark = 0 if reserving else max(1, self.block_manager.device.num_blocks // 100)
         while self.waiting and budget > 0:
             group = self.waiting[0]
+            reserve = reservation_tokens(self.config.kv_reservation, self.config.max_model_len,
+                                         group.num_prompt_tokens, group.sampling_params.reserve_output_tokens)
             if self._num_running_seqs() + self._seq_slots(group) > self.config.max_num_seqs:
                 break
             admitted: list[tuple[Sequence, int]] = []

@@ -159,6 +159,9 @@ def test_abort_frees_every_block(tiny_dir: Path) -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"n": 0}, "n"),
+        ({"reserve_output_tokens": 0}, "reserve_output_tokens"),
+        ({"max_tokens": 4, "reserve_output_tokens": 5}, "reserve_output_tokens"),
+        ({"reserve_output_tokens": 2.5}, "reserve_output_tokens"),
     ],
 )
 def test_bad_sampling_params_raise_naming_the_field(kwargs: dict[str, object], field: str) -> None:

@@ -54,6 +54,12 @@ def test_max_model_len_defaults_to_what_fits_and_is_bounded_by_the_model() -> No
     assert (sched.max_num_seqs, sched.max_waiting, sched.kv_reservation) == (3, 5, "max_len")
 
 
+@pytest.mark.parametrize("policy", ["paged", "max", "max_len", "pow2", "oracle"])
+def test_every_kv_reservation_policy_reaches_the_scheduler(policy: str) -> None:
+    cache = CacheConfig(block_size=16, num_device_blocks=8)
+    assert EngineConfig(kv_reservation=policy).scheduler_config(2048, cache).kv_reservation == policy  # type: ignore[arg-type]
+
+
 def test_config_imports_no_torch() -> None:
     code = "import sys, engine.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

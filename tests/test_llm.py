@@ -130,6 +130,23 @@ def test_preemption_matches(mode: str, reference: Any, prompts: list[list[int]],
         _assert_parity(reference, ids, want, out.outputs[0].token_ids)
 
 
+@pytest.mark.parametrize("policy", ["max", "pow2", "oracle"])
+def test_kv_reservation_policies_keep_greedy_tokens(policy: str, reference: Any, prompts: list[list[int]],
+                                                    expected: list[list[int]]) -> None:
+    # The paper's Orca baselines only change when a request is admitted (the pool holds the longest request
+    # and a few blocks more, so the reservations queue them), never which tokens it gets.
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    reserving = LLM(dtype="float32", num_kv_blocks=-(-longest // 16) + 4, max_model_len=longest + 16,
+                    kv_reservation=policy)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, reserve_output_tokens=MAX_TOKENS)
+    outs = reserving.generate(prompt_token_ids=prompts, sampling_params=params)
+    stats = reserving.stats()
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    assert stats.preemptions_swap + stats.preemptions_recompute == 0  # reserved up front: never preempted
+    for ids, want, out in zip(prompts, expected, outs, strict=True):
+        _assert_parity(reference, ids, want, out.outputs[0].token_ids)
+
+
 def test_chat_api_answers(llm: LLM) -> None:
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=12))[0]

@@ -16,7 +16,14 @@ from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.protocol import QueueFullError
 from engine.request import RequestStatus, SamplingParams, SequenceGroup
-from engine.scheduler import PreemptionCosts, Scheduler, SchedulerOutput, choose_preemption, recompute_tokens
+from engine.scheduler import (
+    PreemptionCosts,
+    Scheduler,
+    SchedulerOutput,
+    choose_preemption,
+    recompute_tokens,
+    reservation_tokens,
+)
 
 
 def test_imports_do_not_pull_torch() -> None:
@@ -46,13 +53,13 @@ class Driver:
         self.tables: dict[int, list[int]] = {}
 
     def add(
-        self, prompt: list[int], max_tokens: int = 4, n: int = 1, request_id: str | None = None
+        self, prompt: list[int], max_tokens: int = 4, n: int = 1, request_id: str | None = None,
+        reserve_output_tokens: int | None = None,
     ) -> SequenceGroup:
         self._arrival += 1
         rid = request_id or f"r{self._arrival}"
-        group = SequenceGroup(
-            rid, prompt, SamplingParams(n=n, max_tokens=max_tokens), arrival_time=self._arrival
-        )
+        params = SamplingParams(n=n, max_tokens=max_tokens, reserve_output_tokens=reserve_output_tokens)
+        group = SequenceGroup(rid, prompt, params, arrival_time=self._arrival)
         self.s.add(group)
         self.groups.append(group)
         return group
@@ -516,6 +523,64 @@ def test_kv_reservation_max_len_reserves_whole_sequences() -> None:
         assert (item.table_start, len(item.new_blocks)) == (0, per_seq)
     assert groups[4].status is RequestStatus.WAITING
     assert d.bm.slot_usage() == (12, 4 * per_seq * 4)
+    d.run()
+
+
+@pytest.mark.parametrize(
+    ("policy", "output", "expected"),
+    [("paged", 5, 0), ("max", 5, 100), ("max_len", None, 100), ("oracle", 5, 8), ("oracle", 1, 4),
+     ("pow2", 5, 11), ("pow2", 8, 11), ("pow2", 9, 19), ("pow2", 1, 4), ("oracle", 200, 100), ("pow2", 64, 67)],
+)
+def test_reservation_tokens_per_policy(policy: str, output: int | None, expected: int) -> None:
+    # The paper's Orca baselines: Max reserves the context limit, Pow2 the prompt + output rounded up to a
+    # power of two (at most 2x over), Oracle exactly prompt + output; none exceeds max_model_len.
+    assert reservation_tokens(policy, 100, 3, output) == expected  # type: ignore[arg-type]
+
+
+def test_reservation_tokens_needs_the_output_length() -> None:
+    for policy in ("pow2", "oracle"):
+        with pytest.raises(ValueError, match="reserve_output_tokens"):
+            reservation_tokens(policy, 100, 3, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("policy", "admitted", "blocks_each"), [
+    ("paged", 12, 1), ("oracle", 10, 2), ("pow2", 6, 3), ("max", 4, 5), ("max_len", 4, 5)])
+def test_kv_reservation_admits_what_the_policy_reserves(policy: str, admitted: int, blocks_each: int) -> None:
+    # 20 blocks of 4; prompts of 3 tokens, 5 output tokens each: paged takes 1 block at admission (watermark
+    # aside: all 12), oracle 8 tokens = 2 blocks, pow2 3 + 8 = 11 tokens = 3 blocks, max 18 tokens = 5 blocks.
+    d = make(block_size=4, num_device=20, max_model_len=18, kv_reservation=policy)
+    groups = [d.add(prompt(3, salt=i), max_tokens=5, reserve_output_tokens=5) for i in range(12)]
+    out = d.step()
+    assert len(out.scheduled) == admitted
+    for item in out.scheduled:
+        assert len(item.new_blocks) == blocks_each
+    assert d.bm.device.num_free == 20 - len(out.scheduled) * blocks_each
+    d.run()
+    assert all(g.is_finished and g.seqs[0].num_output_tokens == 5 for g in groups)
+    assert d.bm.device.num_free == 20
+
+
+def test_kv_reservation_oracle_keeps_the_whole_reservation_until_the_end() -> None:
+    # Reserved slots are held up front, so decoding never allocates and never preempts.
+    d = make(block_size=4, num_device=12, max_model_len=64, kv_reservation="oracle")
+    groups = [d.add(prompt(5, salt=i), max_tokens=11, reserve_output_tokens=11) for i in range(3)]
+    d.step()
+    assert d.bm.device.num_free == 0  # 3 x ceil(16 / 4)
+    for _ in range(5):
+        out = d.step()
+        assert all(not item.new_blocks for item in out.scheduled)
+    d.run()
+    assert d.s.stats().preemptions_swap + d.s.stats().preemptions_recompute == 0
+    assert all(g.seqs[0].num_output_tokens == 11 for g in groups)
+
+
+@pytest.mark.parametrize("policy", ["pow2", "oracle"])
+def test_kv_reservation_without_output_length_is_refused(policy: str) -> None:
+    d = make(kv_reservation=policy)
+    with pytest.raises(ValueError, match="reserve_output_tokens"):
+        d.add(prompt(3))
+    assert not d.s.has_unfinished()
+    d.add(prompt(3), reserve_output_tokens=4)
     d.run()
 
 
