@@ -14,7 +14,15 @@ from typing import Any
 from chatsvc.context import Gateway
 from chatsvc.errors import APIError
 from chatsvc.personas import DEFAULT_PERSONA
-from chatsvc.schemas import SessionMessage, check_event_id, check_session_id, session_not_found
+from chatsvc.schemas import (
+    ResponseFormat,
+    SessionCreate,
+    SessionMessage,
+    SessionUpdate,
+    check_event_id,
+    check_session_id,
+    session_not_found,
+)
 from chatsvc.store import SessionMeta
 from chatsvc.turns import ActiveTurn, parse_event_id
 
@@ -27,15 +35,36 @@ async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
     return meta
 
 
-async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None) -> SessionMeta:
+async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None,
+                         settings: SessionCreate | None = None) -> SessionMeta:
+    """``settings``: a create request's other fields (its ``response_format``, compiled here: a 400 before
+    anything is stored)."""
     gw.quotas.new_session(owner)
     name = persona or DEFAULT_PERSONA
     found = await gw.personas.get(owner, name)
     if found is None:
         raise APIError(404, f"persona {name!r} not found", code="persona_not_found", param="persona")
     body = found[1]
+    response_format = ""
+    if settings is not None:
+        await gw.grammars.check(gw.engine.tokenizer, settings.grammar())
+        response_format = settings.stored_response_format()
     # The prompt is copied so later edits of the persona do not rewrite existing conversations.
-    return await gw.store.create_session(owner, name, body["system_prompt"], title or "")
+    return await gw.store.create_session(owner, name, body["system_prompt"], title or "", response_format)
+
+
+async def update_session(gw: Gateway, meta: SessionMeta, req: SessionUpdate) -> SessionMeta:
+    """Changes the settings ``req`` sends (a bad schema: 400, nothing changed); the next turn uses them."""
+    fields: dict[str, str] = {}
+    if "title" in req.model_fields_set:
+        fields["title"] = req.title or ""
+    if "response_format" in req.model_fields_set:
+        await gw.grammars.check(gw.engine.tokenizer, req.grammar())
+        fields["response_format"] = req.stored_response_format()
+    updated = await gw.store.update_session(meta.id, meta.owner, **fields) if fields else meta
+    if updated is None:
+        raise session_not_found(meta.id)
+    return updated
 
 
 async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
@@ -73,6 +102,8 @@ class ReplyReader:
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
     gw.quotas.check_stream(meta.owner, gw.session_turns(meta.owner))
+    if req.response_format is None and meta.response_format:  # the session's, unless the message has its own
+        req = req.model_copy(update={"response_format": ResponseFormat.model_validate_json(meta.response_format)})
     await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a bad schema stores no message
     with gw.quotas.admitting(meta.owner):
         at = await gw.turns.start(meta, req.content, req)
