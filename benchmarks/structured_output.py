@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -54,6 +55,10 @@ SCHEMA: dict[str, Any] = {
                        "minutes": {"type": "integer", "minimum": 1, "maximum": 600},
                        "kind": {"enum": ["prepare", "cook", "rest", "serve", "other"]}}}}}}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "steps", "strict": True, "schema": SCHEMA}}
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def med(values: list[float | None]) -> float | None:
@@ -143,6 +148,7 @@ def main() -> None:
     host = machine.describe()
     dtype, dtype_flags = sv.ours_dtype(a.dtype)
     kv_gib = sv.fitting_kv_gib(sv.kv_cache_gib(dtype), sv.mem_available_gib(), caches=1)
+    uptime_before = uptime()
     load_before = machine.load_avg()
     machine.warn_if_busy("structured_output", load_before)
     runs: list[dict[str, dict[str, Any]]] = []
@@ -198,6 +204,7 @@ def main() -> None:
              f"mask time per step at {mask['rows']} rows (median of {mask['steps']} steps): fill {mask['fill_ms']} ms, "
              f"apply {mask['apply_ms']} ms, accept {mask['accept_ms']} ms, in all {mask['step_total_ms']} ms = "
              f"{mask['share_of_plain_tpot']} of the plain TPOT; the schema's compile {mask['compile_ms']} ms",
+             f"uptime before: {uptime_before}; after: {uptime()}",
              json.dumps(summary)]
     machine.report(lines, a.output)
 
