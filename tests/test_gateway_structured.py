@@ -250,6 +250,30 @@ def test_ws_message_frame_takes_response_format(server: LiveServer) -> None:
     assert [m["role"] for m in stored] == ["user", "assistant"] and stored[1]["content"] == text
 
 
+def test_ws_hello_creates_a_session_with_its_response_format(server: LiveServer) -> None:
+    """A hello that opens a new session may carry the session's ``response_format`` (a bad one is an error
+    frame and no session); its messages then follow it without sending it."""
+    from websockets.sync.client import connect
+
+    schema = {"type": "json_schema", "json_schema": {"name": "review", "schema": Review.model_json_schema()}}
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "x"}}}
+    before = len(httpx.get(server.url + "/v1/sessions").json()["data"])
+    with connect(server.ws_url + "/v1/ws") as ws:
+        ws.send(json.dumps({"type": "hello", "response_format": bad}))
+        frame = json.loads(ws.recv())
+        assert frame["type"] == "error" and frame["code"] == "invalid_value", frame
+        assert len(httpx.get(server.url + "/v1/sessions").json()["data"]) == before
+        ws.send(json.dumps({"type": "hello", "response_format": schema}))
+        session = json.loads(ws.recv())
+        assert session["type"] == "session" and session["response_format"]["json_schema"]["name"] == "review"
+        ws.send(json.dumps({"type": "message", "content": PROMPTS[2][1], "max_tokens": 120, "temperature": 0}))
+        text = ""
+        while (frame := json.loads(ws.recv()))["type"] == "delta":
+            text += frame["text"]
+        assert frame["type"] == "done" and frame["message"]["finish_reason"] == "stop", frame
+    Review.model_validate_json(text)
+
+
 def _session_reply(server: LiveServer, sid: str, body: dict[str, Any]) -> dict[str, Any]:
     """Posts a message and reads its reply (SSE) to the end; the stored assistant message."""
     r = httpx.post(f"{server.url}/v1/sessions/{sid}/messages", json={"max_tokens": 120, "temperature": 0, **body},
