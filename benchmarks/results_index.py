@@ -202,6 +202,15 @@ def _grammar_engines(f: dict[str, Any]) -> list[tuple[str, str]]:
     return [("nested JSON schema, compile to first mask (ms)", ms), ("token masks for 32 rows (ms)", fill)]
 
 
+def _structured_output(f: dict[str, Any]) -> list[tuple[str, str]]:
+    m = f.get("mask", {})
+    return [("output tok/s, every request under a JSON schema / none, 32 chats",
+             f"{_x(f.get('schema_over_plain'), 3)} ({_n(f.get('schema_tok_s'))} / {_n(f.get('plain_tok_s'))} tok/s)"),
+            ("TPOT p50 under the schema / none (ms)", f"{_n(f.get('schema_tpot_p50'))} / {_n(f.get('plain_tpot_p50'))}"),
+            (f"mask time per step at {m.get('rows')} rows: fill, apply, accept (ms)",
+             f"{_n(m.get('fill_ms'))}, {_n(m.get('apply_ms'))}, {_n(m.get('accept_ms'))}")]
+
+
 def _quantization(f: dict[str, Any]) -> list[tuple[str, str]]:
     acc = f.get("accuracy", {})
     # The int8 variant `--quantization int8` runs here (the kernel `auto` picks) first: it is the headline.
@@ -300,6 +309,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "grammar_engines": Benchmark(
         "Grammar engines", "xgrammar vs llguidance for structured outputs, on this model's tokenizer.",
         _grammar_engines),
+    "structured_output": Benchmark(
+        "Structured outputs when serving", "Workload 32 on one `chatsvc serve` with every request under a JSON "
+        "schema vs none, in alternated rounds, and the grammar's mask work per step.", _structured_output),
     "quantization_accuracy": Benchmark(
         "int8 quantization", "What `--quantization int8` costs in accuracy (vs float32 logits) and buys in "
         "projection speed.", _quantization),

@@ -225,6 +225,26 @@ class PersonaBody(_Lenient):
 class SessionCreate(_Lenient):
     persona: str | None = None
     title: Annotated[str, Field(max_length=200)] | None = None
+    # Every turn's, unless a message sends its own (chatsvc.session_ops).
+    response_format: ResponseFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        return None if self.response_format is None else self.response_format.spec()
+
+    def stored_response_format(self) -> str:
+        """As the store keeps it: JSON text, "" for none (plain text is none)."""
+        rf = self.response_format
+        return "" if rf is None or rf.type == "text" else rf.model_dump_json(by_alias=True, exclude_none=True)
+
+
+class SessionUpdate(SessionCreate):
+    """PATCH of a session's settings: only the fields sent change; ``"response_format": null`` clears it."""
+
+    @model_validator(mode="after")
+    def _no_persona(self) -> SessionUpdate:
+        if self.persona is not None:
+            raise ValueError("a session's persona is fixed when it is created")
+        return self
 
 
 class SessionMessage(SamplingFields):

@@ -14,7 +14,15 @@ from typing import Any
 from chatsvc.context import Gateway
 from chatsvc.errors import APIError
 from chatsvc.personas import DEFAULT_PERSONA
-from chatsvc.schemas import SessionMessage, check_event_id, check_session_id, session_not_found
+from chatsvc.schemas import (
+    ResponseFormat,
+    SessionCreate,
+    SessionMessage,
+    SessionUpdate,
+    check_event_id,
+    check_session_id,
+    session_not_found,
+)
 from chatsvc.store import SessionMeta
 from chatsvc.store.sessions import new_session_id
 from chatsvc.turns import ActiveTurn, parse_event_id
@@ -28,21 +36,43 @@ async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
     return meta
 
 
-async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None) -> SessionMeta:
+async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None,
+                         settings: SessionCreate | None = None) -> SessionMeta:
+    """``settings``: a create request's other fields (its ``response_format``, compiled here: a 400 before
+    anything is stored)."""
     await gw.quotas.new_session(owner)
     name = persona or DEFAULT_PERSONA
     found = await gw.personas.get(owner, name)
     if found is None:
         raise APIError(404, f"persona {name!r} not found", code="persona_not_found", param="persona")
     body = found[1]
+    response_format = ""
+    if settings is not None:
+        await gw.grammars.check(gw.engine.tokenizer, settings.grammar())
+        response_format = settings.stored_response_format()
     sid = new_session_id()
     await gw.quotas.live_session(owner, sid)
     try:
         # The prompt is copied so later edits of the persona do not rewrite existing conversations.
-        return await gw.store.create_session(owner, name, body["system_prompt"], title or "", sid)
+        return await gw.store.create_session(owner, name, body["system_prompt"], title or "", sid=sid,
+                                             response_format=response_format)
     except BaseException:
         await gw.quotas.session_gone(owner, sid)
         raise
+
+
+async def update_session(gw: Gateway, meta: SessionMeta, req: SessionUpdate) -> SessionMeta:
+    """Changes the settings ``req`` sends (a bad schema: 400, nothing changed); the next turn uses them."""
+    fields: dict[str, str] = {}
+    if "title" in req.model_fields_set:
+        fields["title"] = req.title or ""
+    if "response_format" in req.model_fields_set:
+        await gw.grammars.check(gw.engine.tokenizer, req.grammar())
+        fields["response_format"] = req.stored_response_format()
+    updated = await gw.store.update_session(meta.id, meta.owner, **fields) if fields else meta
+    if updated is None:
+        raise session_not_found(meta.id)
+    return updated
 
 
 async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
@@ -79,6 +109,8 @@ class ReplyReader:
 
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
+    if req.response_format is None and meta.response_format:  # the session's, unless the message has its own
+        req = req.model_copy(update={"response_format": ResponseFormat.model_validate_json(meta.response_format)})
     await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a bad schema stores no message
     lease = await gw.quotas.reserve_generation(meta.owner)  # the turn gives it back when it ends
     try:

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from chatsvc import session_ops as ops
 from chatsvc.context import Gateway, gateway, parse, read_json
-from chatsvc.schemas import SessionCreate, SessionMessage
+from chatsvc.schemas import SessionCreate, SessionMessage, SessionUpdate
 from chatsvc.wire import EventStream, sse_event
 
 
@@ -26,7 +26,7 @@ async def sessions(request: Request) -> JSONResponse:
         metas = await gw.store.list_sessions(owner)
         return JSONResponse({"object": "list", "data": [m.public() for m in metas]})
     req = parse(SessionCreate, await read_json(request, gw.settings.max_body_bytes, optional=True))
-    meta = await ops.create_session(gw, owner, req.persona, req.title)
+    meta = await ops.create_session(gw, owner, req.persona, req.title, req)
     return JSONResponse(await ops.session_view(gw, meta), status_code=201)
 
 
@@ -40,6 +40,9 @@ async def session(request: Request) -> JSONResponse:
         if await gw.store.delete_session(sid, owner):
             await gw.quotas.session_gone(owner, sid)
         return JSONResponse({"id": sid, "deleted": True})
+    if request.method == "PATCH":
+        meta = await ops.update_session(gw, meta, parse(SessionUpdate, await read_json(request,
+                                                                                    gw.settings.max_body_bytes)))
     return JSONResponse(await ops.session_view(gw, meta))
 
 
@@ -88,7 +91,7 @@ async def cancel_reply(request: Request) -> JSONResponse:
 
 routes = [
     Route("/v1/sessions", sessions, methods=["GET", "POST"]),
-    Route("/v1/sessions/{sid}", session, methods=["GET", "DELETE"]),
+    Route("/v1/sessions/{sid}", session, methods=["GET", "PATCH", "DELETE"]),
     Route("/v1/sessions/{sid}/messages", post_message, methods=["POST"]),
     Route("/v1/sessions/{sid}/stream", stream_reply, methods=["GET"]),
     Route("/v1/sessions/{sid}/cancel", cancel_reply, methods=["POST"]),

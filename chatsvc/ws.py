@@ -18,7 +18,7 @@ from chatsvc.auth import bearer, host_allowed, origin_allowed, ws_key_from_proto
 from chatsvc.context import Gateway, decode_json, gateway, parse
 from chatsvc.errors import APIError
 from chatsvc.quotas import FrameBudget, Lease
-from chatsvc.schemas import SessionMessage
+from chatsvc.schemas import SessionCreate, SessionMessage
 from chatsvc.store import SessionMeta
 from chatsvc.wire import delta_frame
 from engine.protocol import EngineDeadError
@@ -88,8 +88,10 @@ class Connection:
         sid, persona = frame.get("session_id"), frame.get("persona")
         if sid is not None and not isinstance(sid, str) or persona is not None and not isinstance(persona, str):
             raise APIError(400, "session_id and persona must be strings", code="invalid_value")
+        # A new session takes its settings from the hello (``response_format``), as POST /v1/sessions does.
+        settings = None if sid else parse(SessionCreate, {k: frame[k] for k in ("response_format",) if k in frame})
         meta = await (ops.load_session(self.gw, sid, self.owner) if sid
-                      else ops.create_session(self.gw, self.owner, persona))
+                      else ops.create_session(self.gw, self.owner, persona, settings=settings))
         self._stop_pump(abort_now=False)
         self.meta = meta
         await self.send({"type": "session", **await ops.session_view(self.gw, meta)})

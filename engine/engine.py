@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import RankDiedError, make_runner, rank_zero, threads_per_rank
-from engine.grammar import GrammarCompiler, GrammarState, allocate_bitmask, fill_bitmask
+from engine.grammar import GrammarCompiler, GrammarError, GrammarState, allocate_bitmask, fill_bitmask
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
 from engine.plan import ScheduledSeq, SchedulerOutput
@@ -122,6 +125,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.config.eos_token_ids
+        self._grammars = self._build_grammar_compiler()
 
         # Per rank under tensor parallelism: each holds its own KV heads of every block.
         self.cache_config = config.cache_config(kv_bytes_per_block(loaded.model.layer_config, config.block_size,
@@ -139,7 +143,9 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}
-        self._grammars: GrammarCompiler | None = None
+        # Ready before the first step (see _build_grammar_compiler); usually done by now, the KV pool and runner
+        # having taken longer.
+        wait_for_futures([self._grammars])
         self._fault_prefix = fault_request_prefix
         self._failures: list[tuple[str, BaseException]] = []
 
@@ -164,14 +170,32 @@ class LLMEngine:
         return make_request(self.request_limits, self.tokenizer.encode, request_id, sampling_params, prompt,
                             prompt_token_ids)
 
+    def _build_grammar_compiler(self) -> Future[GrammarCompiler]:
+        """The compiler, built on a thread while the rest of the engine starts. Its tokenizer index costs
+        about a second for a 49k vocabulary, most of it in llguidance's Rust with the GIL held: built lazily
+        on or beside the step loop, it stalled every running request's step for that long. Built here, the
+        engine pays it once at start, overlapped with the runner and KV pool coming up."""
+        future: Future[GrammarCompiler] = Future()
+
+        def build() -> None:
+            try:
+                future.set_result(GrammarCompiler.from_hf(self.tokenizer.hf, self.model_config.vocab_size,
+                                                          self.eos_token_ids))
+            except Exception as exc:  # noqa: BLE001 - kept for the grammar requests, which it refuses
+                future.set_exception(exc)
+
+        threading.Thread(target=build, name="grammar-compiler", daemon=True).start()
+        return future
+
     @property
     def grammar_compiler(self) -> GrammarCompiler:
-        """Built by the first request with a grammar (about a second for a 49k vocabulary), so that engines
-        that never see one never pay for it."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler.from_hf(self.tokenizer.hf, self.model_config.vocab_size,
-                                                     self.eos_token_ids)
-        return self._grammars
+        """``GrammarError`` where this model's tokenizer cannot drive llguidance (a slow tokenizer): such an
+        engine serves every other request."""
+        try:
+            return self._grammars.result()
+        except Exception as exc:
+            raise GrammarError(f"structured outputs are not available for this model's tokenizer: {exc}"
+                               ) from exc
 
     def add_group(self, group: SequenceGroup) -> None:
         if group.request_id in self._groups:

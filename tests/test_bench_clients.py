@@ -102,6 +102,16 @@ async def test_openai_mode_resends_history_with_system_prompt(server: tuple[str,
     assert b2["messages"][2]["content"] == recs[0].text and b2["messages"][3]["content"] == "two"
 
 
+async def test_response_format_goes_with_every_message(server: tuple[str, FakeState]) -> None:
+    url, state = server
+    before = len(state.chat_bodies)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    recs = await run_turns(ClientConfig(url=url, mode="openai", api_key="k", max_tokens=2, response_format=fmt),
+                           ["one", "two"])
+    assert all(r.ok for r in recs)
+    assert [b["response_format"] for b in state.chat_bodies[before:]] == [fmt, fmt]
+
+
 async def test_openai_mode_http_errors_and_bad_key(server: tuple[str, FakeState]) -> None:
     url, _ = server
     recs = await run_turns(ClientConfig(url=url, mode="openai", api_key="k", max_tokens=2), ["FAIL"])

@@ -107,3 +107,7 @@ def test_sweep_over_two_servers_writes_every_run(tmp_path: Path, server: tuple[s
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--slo", "nope=1", "--no-progress"]) == 2
     assert main(["--sweep-rates", "1,-2", "--no-progress"]) == 2
+    for fmt in ("[1]", "{json"):  # argparse's own exit
+        with pytest.raises(SystemExit, match="2"):
+            main(["--response-format", fmt, "--no-progress"])
+    assert "--response-format: a JSON object is needed" in capsys.readouterr().err

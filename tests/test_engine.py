@@ -1,12 +1,15 @@
-"""LLMEngine on a tiny random model: sharing, preemption, seeds, stops, aborts, bad input."""
+"""LLMEngine on a tiny random model: sharing, preemption, seeds, stops, aborts, bad input; on the real model,
+that the first structured-output request does not stall the steps of running ones."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from timing import scaled
 from tiny_model import make_tiny_model_dir
 
 from engine.engine import LLMEngine
@@ -299,3 +302,43 @@ def test_bad_grammar_requests_are_refused_before_queueing(tiny_dir: Path) -> Non
     out = llm.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=40,
                                               grammar=GrammarSpec.json_object()))[0].outputs[0]
     assert out.finish_reason == "length" or isinstance(json.loads(out.text), dict)
+
+
+@pytest.mark.integration
+def test_first_grammar_request_does_not_stall_running_steps() -> None:
+    """llguidance's tokenizer index (about a second for the real model's 49k vocabulary, the GIL held) is
+    built while the engine starts: the first grammar request, arriving while another request decodes, is
+    taken in at once (its schema's compile is milliseconds) and the steps after it take what steps took
+    before it, where building the index then stalled the step loop for that second."""
+    from gateway_fixtures import default_model_path
+
+    # One thread: a step's time then varies less with what else runs on a shared machine.
+    eng = LLMEngine.from_args(default_model_path(), dtype="float32", attention_backend="torch", num_kv_blocks=128,
+                              engine_threads=1)
+    eng.add_request("plain", SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True),
+                    prompt="Tell me a long story about a lighthouse.")
+    for _ in range(3):  # the prompt and the first decodes: kernels and caches warm
+        eng.step()
+    before = []
+    for _ in range(6):
+        started = time.perf_counter()
+        eng.step()
+        before.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    eng.add_request("json", SamplingParams(temperature=0.0, max_tokens=60, grammar=GrammarSpec.json_schema(ITEM)),
+                    prompt="A JSON item with a color, a small number and a name:")
+    add_s = time.perf_counter() - started
+    after: list[float] = []
+    texts: dict[str, str] = {}
+    finished = False
+    while not finished and len(after) < 100:
+        started = time.perf_counter()
+        for delta in eng.step():
+            texts[delta.request_id] = texts.get(delta.request_id, "") + delta.text
+            finished |= delta.request_id == "json" and delta.request_finished
+        after.append(time.perf_counter() - started)
+    assert add_s < scaled(0.25), add_s
+    # Two rows instead of one, the first of them a prefill, and the masks: a bounded multiple of a step.
+    assert max(after) < 3 * max(before) + scaled(0.1), (before, after)
+    item = json.loads(texts["json"])
+    assert set(item) == {"color", "n", "name"}, item

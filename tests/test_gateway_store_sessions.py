@@ -50,3 +50,18 @@ async def test_the_owner_index_drops_expired_sessions(store: Store) -> None:  # 
     await store.r.delete(session_key(s1.id))  # as if it expired
     assert [m.id for m in await store.list_sessions("dora")] == [s2.id]
     assert await store.r.zrange("chatsvc:owner:dora:sessions", 0, -1) == [s2.id]
+
+
+async def test_update_session_changes_only_an_owned_live_session(store: Store) -> None:  # noqa: F811
+    fmt = '{"type":"json_object"}'
+    s = await store.create_session("o", "p", "sys", "t", response_format=fmt)
+    got = await store.get_session(s.id, "o")
+    assert got is not None and got.response_format == fmt and got.public()["response_format"] == {
+        "type": "json_object"}
+    updated = await store.update_session(s.id, "o", response_format="")
+    assert updated is not None and updated.response_format == "" and updated.title == "t"
+    assert updated.public()["response_format"] is None
+    assert await store.update_session(s.id, "mallory", title="x") is None  # another owner's: untouched
+    assert (await store.get_session(s.id, "o") or s).title == "t"
+    assert await store.update_session("gone", "o", title="x") is None
+    assert not await store.r.exists(session_key("gone"))  # no session appears from an update

@@ -7,6 +7,18 @@ rest (aiohttp, rich, matplotlib) when the command actually runs.
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object is needed")
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     prompts.add_argument("--max-tokens", type=int, default=128)
     prompts.add_argument("--temperature", type=float, default=0.0)
     prompts.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (fixed output lengths)")
+    prompts.add_argument("--response-format", type=_json_object, default=None,
+                         help="an OpenAI response_format (JSON) sent with every message: structured-output load")
     prompts.add_argument("--tokenizer", default=None,
                          help="HF dir or .gguf for token counts when the server gives no usage (default: the "
                               "default model's GGUF)")

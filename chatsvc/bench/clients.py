@@ -74,6 +74,8 @@ class ClientConfig:
     persona: str | None = None
     system_prompt: str | None = None
     connect_timeout_s: float = 30.0
+    # OpenAI's response_format, sent with every message (every mode takes it): structured-output load.
+    response_format: dict[str, Any] | None = None
 
 
 def base_url(url: str) -> str:
@@ -230,6 +232,8 @@ class Client:
             body["ignore_eos"] = True
         if self.cfg.seed is not None:
             body["seed"] = self.cfg.seed
+        if self.cfg.response_format is not None:
+            body["response_format"] = self.cfg.response_format
         return body
 
     async def open_session(self) -> ChatSession:

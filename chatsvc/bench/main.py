@@ -163,7 +163,8 @@ def main(args: argparse.Namespace) -> int:
         cfg = ClientConfig(url=url, mode=args.mode, api_key=args.api_key, model=args.model,
                            max_tokens=args.max_tokens, temperature=args.temperature,
                            ignore_eos=args.ignore_eos, persona=persona,
-                           system_prompt=system_prompt if args.mode == "openai" else None)
+                           system_prompt=system_prompt if args.mode == "openai" else None,
+                           response_format=args.response_format)
         load = LoadConfig(rate=rate, burstiness=args.burstiness, think_time_s=args.think_time,
                           duration_s=args.duration, request_timeout_s=args.request_timeout,
                           max_concurrency=args.max_concurrency, seed=args.seed)

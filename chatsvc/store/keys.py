@@ -6,7 +6,8 @@ Keys (prefix ``chatsvc:``; ``{id}`` is written with its braces, a Redis Cluster 
                                deletions stick)
 - ``owner:<owner>:personas``   hash name -> JSON: one owner's own personas
 - ``session:{id}``             hash: id, owner, persona, system_prompt, title, created, updated, turns,
-                               replied (the last turn whose reply is stored: ``turns - 1`` while one runs)
+                               response_format (JSON text or ""), replied (the last turn whose reply is
+                               stored: ``turns - 1`` while one runs)
 - ``session:{id}:messages``    list of JSON messages
 - ``session:{id}:lock``        held while a reply is generated: the 409 guard. Its value is the owner
                                token ``instance|nonce|turn``; it has a short TTL its owner refreshes

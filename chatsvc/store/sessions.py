@@ -12,6 +12,14 @@ from typing import Any
 from chatsvc.store.base import RedisStore
 from chatsvc.store.keys import lock_key, messages_key, owner_sessions_key, session_key, stream_prefix
 
+# KEYS: session; ARGV: owner, then field/value pairs. Only an existing session of that owner changes (an
+# HSET on an expired or foreign id would create or overwrite one).
+_UPDATE_SESSION_LUA = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
 # KEYS: session, messages, lock; ARGV: owner, the session's stream key prefix. The reply streams are
 # named by turn number (and share the session's hash tag), so they are deleted without scanning.
 _DELETE_SESSION_LUA = """
@@ -33,17 +41,22 @@ class SessionMeta:
     created: float
     updated: float
     turns: int
+    # The session's OpenAI ``response_format`` as JSON text ("" for none): each turn's unless its message
+    # sends its own. Kept as text: the store holds it, the gateway validates it (chatsvc.schemas).
+    response_format: str = ""
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "persona": self.persona, "title": self.title, "created": self.created,
-                "updated": self.updated, "turns": self.turns}
+                "updated": self.updated, "turns": self.turns,
+                "response_format": json.loads(self.response_format) if self.response_format else None}
 
 
 def _meta(raw: dict[str, str], owner: str) -> SessionMeta | None:
     if not raw or raw.get("owner") != owner:
         return None
     return SessionMeta(raw["id"], raw["owner"], raw["persona"], raw["system_prompt"], raw.get("title", ""),
-                       float(raw["created"]), float(raw["updated"]), int(raw["turns"]))
+                       float(raw["created"]), float(raw["updated"]), int(raw["turns"]),
+                       raw.get("response_format", ""))
 
 
 def new_session_id() -> str:
@@ -52,9 +65,10 @@ def new_session_id() -> str:
 
 class SessionStore(RedisStore):
     async def create_session(self, owner: str, persona: str, system_prompt: str, title: str = "",
-                             sid: str | None = None) -> SessionMeta:
+                             sid: str | None = None, response_format: str = "") -> SessionMeta:
         now = time.time()
-        meta = SessionMeta(sid or new_session_id(), owner, persona, system_prompt, title, now, now, 0)
+        meta = SessionMeta(sid or new_session_id(), owner, persona, system_prompt, title, now, now, 0,
+                           response_format)
         key, index = session_key(meta.id), owner_sessions_key(owner)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={**dataclasses.asdict(meta), "replied": 0})
@@ -63,6 +77,17 @@ class SessionStore(RedisStore):
             pipe.expire(index, self.session_ttl_s)
             await pipe.execute()
         return meta
+
+    async def update_session(self, sid: str, owner: str, **fields: str) -> SessionMeta | None:
+        """Sets the given settings (``title``, ``response_format``) of ``owner``'s session; None where there
+        is no such session (expired, deleted, another owner's)."""
+        unknown = set(fields) - {"title", "response_format"}
+        if unknown:
+            raise ValueError(f"not a session setting: {', '.join(sorted(unknown))}")
+        pairs = [x for item in fields.items() for x in item]
+        if not await self._script(_UPDATE_SESSION_LUA)(keys=[session_key(sid)], args=[owner, *pairs]):
+            return None
+        return await self.get_session(sid, owner)
 
     async def get_session(self, sid: str, owner: str) -> SessionMeta | None:
         """The session if it exists and belongs to ``owner`` (a foreign session looks absent)."""
