@@ -5,6 +5,8 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+from chatsvc.tools import chat_prompt_ids
+
 TEMPLATE_TOKENS = 5  # what the chat template adds around one message (<|im_start|>role\n ... <|im_end|>\n)
 CHARS_PER_TOKEN = 3  # a guess for a stored message without its token count
 
@@ -18,27 +20,29 @@ def _guessed_tokens(message: dict[str, Any]) -> int:
     return tokens + TEMPLATE_TOKENS
 
 
-def fit_conversation(tokenizer: Any, system_prompt: str, history: list[dict[str, Any]], content: str,
-                     max_model_len: int, room: int) -> tuple[list[int], int]:
+def fit_conversation(tokenizer: Any, system_prompt: str, history: list[dict[str, Any]],
+                     message: str | dict[str, Any], max_model_len: int, room: int,
+                     tools: list[dict[str, Any]] | None = None) -> tuple[list[int], int]:
     """(prompt ids, turns dropped): the conversation with as few of its oldest turns dropped as leaves
-    ``room`` tokens to generate. When even the system prompt and the new message alone leave no room, that
+    ``room`` tokens to generate. ``message``: the new one (text: a user message); ``tools``: shown to the
+    model (chatsvc.tools renders them, the history's tool calls and its tool results). When even the system prompt and the new message alone leave no room, that
     prompt is returned (the caller's context check reports it).
 
     A long history is never tokenized whole: the search starts from the turn the stored token counts
     point to, and only prompts near the context's size are tokenized (a few of them), so the work is
     bounded by the context, not by the history's length."""
-    system = [{"role": "system", "content": system_prompt}]
-    user = [{"role": "user", "content": content}]
-    turns = [{"role": m["role"], "content": m["content"]} for m in history]
-    # Where each turn (a user message and the replies after it) starts: history is dropped turn by turn.
+    system: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}]
+    user = [{"role": "user", "content": message} if isinstance(message, str) else message]
+    turns: list[dict[str, Any]] = [{k: m[k] for k in ("role", "content", "tool_calls", "tool_call_id") if k in m} for m in history]
+    # Where each turn (a user message and the replies after it) starts: history is dropped turn by turn. A
+    # tool result belongs to the user turn whose reply called the tool: they go together.
     starts = [0] + [i for i, m in enumerate(turns) if m["role"] == "user" and i > 0] + [len(turns)]
     last = len(starts) - 1  # every turn dropped
     prompts: dict[int, list[int]] = {}
 
     def ids(dropped: int) -> list[int]:
         if dropped not in prompts:
-            prompts[dropped] = list(tokenizer.apply_chat_template(system + turns[starts[dropped]:] + user,
-                                                                  add_generation_prompt=True))
+            prompts[dropped] = chat_prompt_ids(tokenizer, system + turns[starts[dropped]:] + user, tools)
         return prompts[dropped]
 
     def fits(dropped: int) -> bool:

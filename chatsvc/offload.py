@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from chatsvc.errors import APIError
+from chatsvc.tools import chat_prompt_ids, prompt_chars
 from engine.client import EngineClient
 
 T = TypeVar("T")
@@ -73,9 +74,10 @@ class Offload:
         self.check_fits(chars, param)
         return ids() if chars <= INLINE_CHARS else await self.run(ids)
 
-    async def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._tokenize(sum(len(m["content"]) for m in messages), "messages", lambda: list(
-            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+    async def chat_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """OpenAI's messages (tool calls and results included) and the tools shown to the model (chatsvc.tools)."""
+        return await self._tokenize(prompt_chars(messages, tools), "messages",
+                                    lambda: chat_prompt_ids(self.tokenizer, messages, tools))
 
     async def encode(self, text: str) -> list[int]:
         return await self._tokenize(len(text), "prompt",

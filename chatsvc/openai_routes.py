@@ -22,6 +22,7 @@ from chatsvc.generation import Generation
 from chatsvc.offload import Raw, TokenTexts, dumps_in_pieces
 from chatsvc.quotas import Lease
 from chatsvc.schemas import ChatCompletionRequest, CompletionRequest, resolve_max_tokens, usage
+from chatsvc.tools import ToolCallParser, parse_reply
 from chatsvc.wire import ChunkTemplate, EventStream, sse_event
 from engine.protocol import RequestDelta, StreamOverflowError
 
@@ -152,7 +153,8 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
     chat = isinstance(req, ChatCompletionRequest)
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     obj = "chat.completion" if chat else "text_completion"
-    await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a 400 before the engine sees it
+    # A 400 before the engine sees it.
+    await gw.grammars.check(gw.engine.tokenizer, req.checked_grammar(), req.grammar_param())
     params = req.sampling_params(max_tokens, req.n, logprobs)
     gen = Generation(gw.engine, gw.metrics, rid, params, prompt_ids, gw.settings.retry_after_s)
     # Each sequence (n samples, best_of candidates, beams) costs the engine a slot.
@@ -187,27 +189,58 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
 
 async def chat_completions(request: Request) -> Response:
     gw, owner, req, model = await _parse_request(request, ChatCompletionRequest)
-    prompt_ids = await gw.offload.chat_ids([{"role": "system" if m.role == "developer" else m.role,
-                                             "content": m.text()} for m in req.messages])
+    prompt_ids = await gw.offload.chat_ids([m.openai() for m in req.messages],
+                                           req.tool_dicts() if req.calls_tools() else None)
     max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt_ids), gw.engine.max_model_len,
                                     None)
     top = req.top_logprobs or 0
     toks = _Tokens(gw.engine.tokenizer)
+    # Under a tool grammar the reply's text is split into content and calls (chatsvc.tools), per choice.
+    parsers: dict[int, ToolCallParser] | None = {} if req.calls_tools() else None
+
+    def logprobs(token_ids: list[int], lps: list[dict[int, float]] | None) -> dict[str, Any]:
+        return {"content": list(toks.chat(token_ids, lps, top))}
+
+    def tool_chunk(template: ChunkTemplate, d: RequestDelta, first: bool, reason: str | None) -> str:
+        assert parsers is not None
+        parser = parsers.setdefault(d.index, ToolCallParser())
+        content, calls = parser.feed(d.text)
+        if d.finished:
+            rest, more = parser.finish()
+            content, calls = content + rest, calls + more
+            reason = "tool_calls" if reason == "stop" and parser.called else reason
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if content or (first and not calls):
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [c.openai() for c in calls]
+        return template.encode([{"index": d.index, "delta": delta,
+                                 "logprobs": logprobs(d.token_ids, d.logprobs) if req.logprobs else None,
+                                 "finish_reason": reason}])
 
     def chunk(template: ChunkTemplate, d: RequestDelta, first: bool, reason: str | None) -> str:
+        if parsers is not None:
+            return tool_chunk(template, d, first, reason)
         if not req.logprobs:
             return template.chat(d.index, d.text, first, reason)
         delta: dict[str, Any] = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-        return template.encode([{"index": d.index, "delta": delta,
-                                 "logprobs": {"content": list(toks.chat(d.token_ids, d.logprobs, top))},
+        return template.encode([{"index": d.index, "delta": delta, "logprobs": logprobs(d.token_ids, d.logprobs),
                                  "finish_reason": reason}])
 
     def choice(i: int, got: _Collected) -> dict[str, Any]:
-        return {"index": i, "message": {"role": "assistant", "content": "".join(got.texts[i])},
+        text: str | None = "".join(got.texts[i])
+        reason = got.reasons.get(i)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parsers is not None:
+            message["content"], calls = parse_reply(text or "")
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": i, "message": message,
                 "logprobs": {"content": [Raw(json.dumps(entry))
                                          for entry in toks.chat(got.tokens[i], got.lps[i], top)]}
                 if req.logprobs else None,
-                "finish_reason": got.reasons.get(i)}
+                "finish_reason": reason}
 
     return await _generate(request, gw, owner, req, model, prompt_ids, max_tokens,
                            top if req.logprobs else None, chunk, choice)

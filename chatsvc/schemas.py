@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chatsvc.errors import APIError
-from engine.grammar import GrammarSpec
+from engine.grammar import GrammarSpec, tool_call_spec
 from engine.request import SamplingParams
 
 
@@ -94,12 +94,20 @@ class SamplingFields(_Lenient):
     def grammar(self) -> GrammarSpec | None:
         return None if self.response_format is None else self.response_format.spec()
 
+    def checked_grammar(self) -> GrammarSpec | None:
+        """The grammar the gateway compiles, before anything is stored or queued, to refuse a bad one."""
+        return self.grammar()
+
+    def grammar_param(self) -> str:
+        """The request field a grammar error is reported against."""
+        return "response_format"
+
     @model_validator(mode="before")
     @classmethod
     def _no_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, harmless in _UNSUPPORTED.items():
-                if name in data and not harmless(data[name], data):
+                if name in data and name not in cls.model_fields and not harmless(data[name], data):
                     raise APIError(400, f"'{name}' is not supported by this server", code="unsupported_parameter",
                                    param=name)
         return data
@@ -146,19 +154,120 @@ class SamplingFields(_Lenient):
         return {}
 
 
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+class FunctionDef(_Lenient):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: Annotated[str, Field(max_length=16_000)] | None = None
+    # A JSON schema of the arguments object; absent, the function takes none.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted either way: the arguments are always held to the schema
+
+
+class ToolDef(_Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(_Lenient):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Lenient):
+    id: Annotated[str, Field(min_length=1, max_length=128)]
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolFields(SamplingFields):
+    """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (chatsvc/tools.py): with
+    ``required`` or a named function the reply is calls, with ``auto`` (the default with tools) text or
+    calls, with ``none`` text and the tools are not shown to the model."""
+
+    tools: Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tools_consistent(self) -> ToolFields:
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice requires tools")
+        if self.calls_tools() and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError('response_format cannot be combined with tools unless tool_choice is "none"')
+        self.tool_spec()  # a GrammarError (a ValueError) is a 400 now, before anything is compiled
+        return self
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def calls_tools(self) -> bool:
+        """The model is shown the tools and may (or must) call them."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_spec(self) -> GrammarSpec | None:
+        """The reply's grammar for the tool choice; with ``none``, that of ``auto`` (so that a bad tool list
+        is refused whatever the choice), which the caller checks and does not use."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice if self.tool_choice not in (None, "none") else "auto"
+        return tool_call_spec(self.tool_dicts(), choice.model_dump() if isinstance(choice, BaseModel) else choice,
+                              self.parallel_tool_calls is not False)
+
+    def grammar(self) -> GrammarSpec | None:
+        return self.tool_spec() if self.calls_tools() else super().grammar()
+
+    def checked_grammar(self) -> GrammarSpec | None:
+        """The grammar the gateway compiles before anything is stored or queued: also ``none``'s tools."""
+        return self.tool_spec() if self.tools else super().grammar()
+
+    def grammar_param(self) -> str:
+        return "tools" if self.tools else "response_format"
+
+
 class TextPart(_Lenient):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's calls
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None  # the call a tool answers
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role}")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs the tool_call_id it answers, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def openai(self) -> dict[str, Any]:
+        """The message as chatsvc.tools renders it (``developer`` is a system message to the template)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class StreamOptions(_Lenient):
@@ -186,7 +295,7 @@ class _OpenAIBase(SamplingFields):
                 "early_stopping": self.early_stopping}
 
 
-class ChatCompletionRequest(_OpenAIBase):
+class ChatCompletionRequest(_OpenAIBase, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -196,8 +305,14 @@ class ChatCompletionRequest(_OpenAIBase):
     @classmethod
     def _content_present(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         for i, m in enumerate(v):
-            if m.role != "assistant" and not m.text().strip():
+            if m.role not in ("assistant", "tool") and not m.text().strip():
                 raise ValueError(f"message {i} ({m.role}) has empty content")
+        called: set[str] = set()
+        for i, m in enumerate(v):
+            called.update(c.id for c in m.tool_calls or ())
+            if m.role == "tool" and m.tool_call_id not in called:
+                raise ValueError(f"message {i} (tool) answers tool_call_id {m.tool_call_id!r}, which no earlier "
+                                 "assistant message called")
         return v
 
     def requested_max_tokens(self) -> int | None:
@@ -247,8 +362,12 @@ class SessionUpdate(SessionCreate):
         return self
 
 
-class SessionMessage(SamplingFields):
+class SessionMessage(ToolFields):
+    """A user message, or (``role: "tool"``) the result of one of the session's tool calls."""
+
     content: Annotated[str, Field(min_length=1)]
+    role: Literal["user", "tool"] = "user"
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
     @field_validator("content")
     @classmethod
@@ -256,6 +375,19 @@ class SessionMessage(SamplingFields):
         if not v.strip():
             raise ValueError("content must not be blank")
         return v
+
+    @model_validator(mode="after")
+    def _tool_result_names_its_call(self) -> SessionMessage:
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError('a tool result (role "tool") needs the tool_call_id it answers, and only it has one')
+        return self
+
+    def stored(self) -> dict[str, Any]:
+        """The message as the session stores it (chatsvc.turns adds its time and tokens)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -109,9 +109,11 @@ class ReplyReader:
 
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
-    if req.response_format is None and meta.response_format:  # the session's, unless the message has its own
+    # The session's response_format, unless the message has its own or calls tools.
+    if req.response_format is None and meta.response_format and not req.calls_tools():
         req = req.model_copy(update={"response_format": ResponseFormat.model_validate_json(meta.response_format)})
-    await gw.grammars.check(gw.engine.tokenizer, req.grammar())  # a bad schema stores no message
+    # A bad schema stores no message.
+    await gw.grammars.check(gw.engine.tokenizer, req.checked_grammar(), req.grammar_param())
     lease = await gw.quotas.reserve_generation(meta.owner)  # the turn gives it back when it ends
     try:
         await gw.quotas.session_used(meta.owner, meta.id)
@@ -119,7 +121,7 @@ async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> R
         await lease.release()
         raise
     with gw.quotas.admitting(meta.owner):
-        at = await gw.turns.start(meta, req.content, req, lease)
+        at = await gw.turns.start(meta, req, lease)
     return ReplyReader(gw, meta.id, at.turn, "0", at)
 
 

@@ -53,11 +53,12 @@ from chatsvc.history import fit_conversation
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.quotas import Lease
-from chatsvc.schemas import SamplingFields, resolve_max_tokens, session_not_found, usage
+from chatsvc.schemas import SessionMessage, resolve_max_tokens, session_not_found, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.store.keys import stream_key
 from chatsvc.store.streams import settle
+from chatsvc.tools import parse_reply, unknown_tool_results
 from chatsvc.wire import delta_event
 from engine.client import Adoptable, EngineClient
 from engine.protocol import RequestDelta
@@ -172,9 +173,9 @@ class TurnRegistry:
         except Exception:  # noqa: BLE001 - the keep-alive must outlive any one bad beat
             log.exception("turn keep-alive failed")
 
-    async def start(self, meta: SessionMeta, content: str, sampling: SamplingFields,
-                    lease: Lease | None = None) -> ActiveTurn:
-        """Validate, store the user message, admit the request and start generating (one reader attached).
+    async def start(self, meta: SessionMeta, sampling: SessionMessage, lease: Lease | None = None) -> ActiveTurn:
+        """Validate, store the user message (or tool result), admit the request and start generating (one
+        reader attached).
 
         The turn is registered (busy, cancellable) before the engine sees the request; admission errors
         (invalid request, full queue) still come back from here, with the user message rolled back.
@@ -182,25 +183,31 @@ class TurnRegistry:
         the turn ends."""
         lease = lease or Lease()
         try:
-            return await self._start(meta, content, sampling, lease)
+            return await self._start(meta, sampling, lease)
         except BaseException:
             if meta.id not in self.active or self.active[meta.id].lease is not lease:
                 await lease.release()
             raise
 
-    async def _start(self, meta: SessionMeta, content: str, sampling: SamplingFields, lease: Lease) -> ActiveTurn:
+    async def _start(self, meta: SessionMeta, sampling: SessionMessage, lease: Lease) -> ActiveTurn:
+        content = sampling.content
         if len(content) > self.settings.max_message_chars:
             raise APIError(413, f"message exceeds {self.settings.max_message_chars} characters",
                            code="message_too_large", param="content")
         if meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
         history = await self.store.messages(meta.id)
+        message = sampling.stored()
+        if unknown_tool_results([*history, message]) == len(history):
+            raise APIError(400, f"tool_call_id {sampling.tool_call_id!r} matches no tool call of this session",
+                           code="invalid_value", param="tool_call_id")
+        tools = sampling.tool_dicts() if sampling.calls_tools() else None
         tok = self.engine.tokenizer
         max_len = self.engine.max_model_len
         room = sampling.max_tokens or min(self.settings.default_session_max_tokens, max_len // 4)
 
         def tokenize() -> tuple[list[int], int, int]:
-            ids, dropped = fit_conversation(tok, meta.system_prompt, history, content, max_len, room)
+            ids, dropped = fit_conversation(tok, meta.system_prompt, history, message, max_len, room, tools)
             return ids, dropped, len(tok.encode(content))
 
         # A long history and message take the tokenizer a while (it releases the GIL): not on the loop.
@@ -209,7 +216,7 @@ class TurnRegistry:
         max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
                                         self.settings.default_session_max_tokens)
         params = sampling.sampling_params(max_tokens)
-        user_msg = {"role": "user", "content": content, "created": time.time(), "tokens": content_tokens}
+        user_msg = {**message, "created": time.time(), "tokens": content_tokens}
         try:
             turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
         except SessionGone as exc:
@@ -292,9 +299,17 @@ class TurnRegistry:
         """Store the reply (once), write its done event, and let the turn go."""
         u = usage(last.prompt_tokens if last else prompt_len,
                   last.completion_tokens if last else 0, last.cached_tokens if last else 0)
-        msg = {"role": "assistant", "content": "".join(parts), "created": time.time(),
+        # A reply written under a tool grammar that called tools is stored as its calls: a reply's text starts
+        # with a call only then (the grammar keeps text from starting with one), which holds for a turn taken
+        # over from a dead gateway too.
+        content, calls = parse_reply("".join(parts))
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        msg = {"role": "assistant", "content": content or "", "created": time.time(),
                "tokens": u["completion_tokens"], "finish_reason": reason, "prompt_tokens": u["prompt_tokens"],
                "cached_tokens": u["prompt_tokens_details"]["cached_tokens"]}
+        if calls:
+            msg["tool_calls"] = calls
         try:
             deadline = time.monotonic() + self.store_retry_s
             at.stored = await self._retrying(at, deadline, lambda: self.store.end_turn(at.session_id, at.turn, msg))

@@ -11,7 +11,8 @@ torch is imported only by the functions that handle tensors: a gateway that hold
 checks specs (``GrammarCompiler`` included) without it, as it tokenizes without it.
 
 The pieces, in the order a request meets them:
-  * ``GrammarSpec``: what a request asks for (``json_object``, ``json_schema`` or ``tool_calls``), hashable
+  * ``GrammarSpec``: what a request asks for (``json_object``, ``json_schema``, ``tool_calls`` or
+    ``tool_calls_auto``), hashable
     and with a stable ``key``; ``tool_call_spec`` builds one from OpenAI's ``tools`` / ``tool_choice``;
   * ``GrammarCompiler``: one per tokenizer; compiles specs in worker threads with a time bound, caching the
     results (errors included) by key, least recently used first out;
@@ -32,8 +33,9 @@ Tool calls use the Hermes/Qwen convention, one block per call::
 
 It is the format most open chat models were trained on and the one their templates render past calls in,
 so what the model emits and what it reads back in later turns agree; for a template without tool syntax
-(SmolLM2's) the gateway renders calls in this same text. The tags also leave ``tool_choice="auto"`` to the
-model: it is not constrained, and the gateway parses blocks out of the text (``parse_tool_calls``).
+(SmolLM2's) the gateway renders calls in this same text. ``tool_choice="auto"`` (``tool_calls_auto``) leaves
+the choice to the model: the reply is either free text that does not begin with ``<tool_call>`` or well-formed
+calls, never a half-written call the gateway would have to pass off as text.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ __all__ = ["TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "CompiledGrammar", "GrammarCompi
            "GrammarKind", "GrammarSpec", "GrammarState", "allocate_bitmask", "apply_bitmask", "fill_bitmask",
            "parse_tool_calls", "tool_call_schema", "tool_call_spec"]
 
-GrammarKind = Literal["json_object", "json_schema", "tool_calls"]
-_KINDS = ("json_object", "json_schema", "tool_calls")
+GrammarKind = Literal["json_object", "json_schema", "tool_calls", "tool_calls_auto"]
+_KINDS = ("json_object", "json_schema", "tool_calls", "tool_calls_auto")
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 # OpenAI's rule for function names.
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -84,7 +86,8 @@ class GrammarError(ValueError):
 class GrammarSpec:
     """What a request's output must follow. ``schema``: compact JSON text (key order kept, since properties
     are generated in it) of the JSON schema, or for ``tool_calls`` of one call (``tool_call_schema``); empty
-    for ``json_object``. ``parallel``: ``tool_calls`` may emit more than one call."""
+    for ``json_object``. ``parallel``: ``tool_calls`` may emit more than one call. ``tool_calls_auto``: the
+    calls of ``tool_calls``, or text instead."""
 
     kind: GrammarKind
     schema: str = ""
@@ -157,14 +160,15 @@ def tool_call_schema(tools: Sequence[Mapping[str, Any]], names: Iterable[str] | 
 def tool_call_spec(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any] = "auto",
                    parallel_tool_calls: bool = True) -> GrammarSpec | None:
     """The grammar OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` ask for; None where the
-    output is not constrained: ``none`` (no call) and ``auto`` (the model decides; the gateway parses the
-    blocks). The tools are checked whatever the choice, so a bad list is a 400 in every case."""
+    output is plain text: ``none``, or ``auto`` without tools. The tools are checked whatever the choice, so a
+    bad list is a 400 in every case."""
     schema = tool_call_schema(tools) if tools else None
-    if tool_choice in ("none", "auto"):
+    if tool_choice == "none" or (tool_choice == "auto" and schema is None):
         return None
-    if tool_choice == "required":
+    if tool_choice in ("auto", "required"):
         schema = schema or tool_call_schema(tools)  # no tools: raises
-        return GrammarSpec("tool_calls", _canonical(schema, "tools"), parallel_tool_calls)
+        kind: GrammarKind = "tool_calls" if tool_choice == "required" else "tool_calls_auto"
+        return GrammarSpec(kind, _canonical(schema, "tools"), parallel_tool_calls)
     choice = tool_choice if isinstance(tool_choice, Mapping) else {}
     fn = choice.get("function")
     if not (choice.get("type") == "function" and isinstance(fn, Mapping) and isinstance(fn.get("name"), str)):
@@ -229,10 +233,14 @@ def _grammar(spec: GrammarSpec) -> str:
     schema = _close_objects(json.loads(spec.schema))
     if spec.kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
-    # tool_calls: the blocks in Lark, each holding the call's schema (%json), then only EOS.
+    # tool_calls: the blocks in Lark, each holding the call's schema (%json), then only EOS. tool_calls_auto:
+    # or text, any that does not start a block (``~``: llguidance's lexeme negation).
     schema["x-guidance"] = _JSON_OPTIONS
     more = ' ("\\n" call)*' if spec.parallel else ""
-    lark = (f"start: call{more}\n"
+    text = (f' | TEXT\nTEXT: /(.|\\n)+/ & ~/{re.escape(TOOL_CALL_OPEN)}(.|\\n)*/'
+            if spec.kind == "tool_calls_auto" else "")
+    lark = (f"start: calls{text}\n"
+            f"calls: call{more}\n"
             f'call: "{TOOL_CALL_OPEN}\\n" body "\\n{TOOL_CALL_CLOSE}"\n'
             f"body: %json {json.dumps(schema, ensure_ascii=False)}\n")
     return llguidance.LLMatcher.grammar_from_lark(lark)

@@ -111,18 +111,22 @@ class Tokenizer:
         text = str(hf.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
         return hf.clean_up_tokenization(text) if self._decode_mode == "clean_up" else text
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: function definitions for a template that renders them (transformers' ``tools=``)."""
         if not self.hf.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tools=list(tools) if tools else None, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         assert isinstance(text, str)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The template writes the special tokens itself, so none are added on encoding (as transformers does).
         if not any(self._has_control_token(m.get("content")) for m in messages):
-            return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
-        return self._chat_with_literal_contents(messages, add_generation_prompt)
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self._chat_with_literal_contents(messages, add_generation_prompt, tools)
 
     def _has_control_token(self, content: object) -> bool:
         return isinstance(content, str) and any(t in content for t in self._control_tokens())
@@ -130,14 +134,15 @@ class Tokenizer:
     def _control_tokens(self) -> list[str]:
         return [t.content for t in self._original.added_tokens_decoder.values() if t.special]
 
-    def _chat_with_literal_contents(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+    def _chat_with_literal_contents(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The template with message contents encoded as plain text: a user who types ``<|im_end|>`` gets
         the characters, never the control token, so they cannot forge a turn of another role. Only
         messages that contain a control token are encoded apart (the rest tokenize exactly as before)."""
         marker = f"\x00{secrets.token_hex(8)}\x00"
         templated = [{**m, "content": f"{marker}{i}{marker}"} if self._has_control_token(m.get("content"))
                      else m for i, m in enumerate(messages)]
-        pieces = self.render_chat(templated, add_generation_prompt).split(marker)
+        pieces = self.render_chat(templated, add_generation_prompt, tools).split(marker)
         ids: list[int] = []
         # split() alternates template text and (between a pair of markers) a message index.
         for i, piece in enumerate(pieces):
