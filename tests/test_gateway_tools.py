@@ -193,16 +193,27 @@ def _valid(call: Any) -> None:
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_required_tool_calls_validate(client: openai.OpenAI, model: str, prompt: str) -> None:
     """``required``: every reply is calls whose arguments validate against their tool's schema, greedy and
-    sampled, one call without parallel calls; a named choice calls that function."""
+    sampled; one call without parallel calls; with them, as many as the model writes (a small model may
+    repeat calls until max_tokens: then only the last, cut one, is incomplete); a named choice calls that
+    function."""
     messages: Any = [{"role": "user", "content": prompt}]
     for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 11}):
         done = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                              tool_choice="required", max_tokens=150, **extra)
+                                              tool_choice="required", parallel_tool_calls=False, max_tokens=150,
+                                              **extra)
         choice = done.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None and choice.message.tool_calls, choice
-        for call in choice.message.tool_calls:
-            _valid(call)
+        assert len(choice.message.tool_calls) == 1
+        _valid(choice.message.tool_calls[0])
+    many = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
+                                          tool_choice="required", max_tokens=120, temperature=0.9, seed=4)
+    choice = many.choices[0]
+    assert choice.message.content is None and choice.message.tool_calls, choice
+    whole = choice.message.tool_calls if choice.finish_reason == "tool_calls" else choice.message.tool_calls[:-1]
+    assert choice.finish_reason in ("tool_calls", "length")
+    for call in whole:
+        _valid(call)
     one = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
                                          tool_choice={"type": "function", "function": {"name": "search_web"}},
                                          parallel_tool_calls=False, max_tokens=150, temperature=0.9, seed=5)

@@ -202,10 +202,27 @@ def test_forced_tokens_spell_the_call_prefix(compiler: GrammarCompiler, tokenize
     assert forced.startswith('<tool_call>\n{"name": "ping", "arguments": {')
 
 
-def test_tool_choice_none_and_auto_do_not_constrain() -> None:
+def test_tool_choice_none_and_auto_without_tools_do_not_constrain() -> None:
     assert tool_call_spec(TOOLS, "none") is None
-    assert tool_call_spec(TOOLS, "auto") is None
     assert tool_call_spec([], "auto") is None
+
+
+def test_auto_allows_text_or_whole_calls_only(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    """``auto``: any text that does not begin a call, or calls that follow the schema; never a call's tag
+    followed by something else (the gateway could not tell it from a broken call)."""
+    spec = tool_call_spec(TOOLS, "auto", parallel_tool_calls=False)
+    assert spec is not None and spec.kind == "tool_calls_auto" and not spec.parallel
+    auto: GrammarSpec = spec
+
+    def accepts(text: str) -> bool:
+        state = compiler.state(auto)
+        return all(state.accept(t) for t in tokenizer.encode(text)) and state.accepting
+
+    assert accepts("It is sunny. <tool_call> is how I would call a tool.")
+    assert accepts('<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+    assert not accepts("<tool_call> sunny")
+    assert not accepts('<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n<tool_call>')
+    assert not accepts('<tool_call>\n{"name": "ping", "arguments": {"x": 1}}\n</tool_call>')
 
 
 @pytest.mark.parametrize(("tools", "choice", "message"), [

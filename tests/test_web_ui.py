@@ -307,6 +307,39 @@ def test_reply_streams_then_history_survives_reload(open_tab: Callable[..., Tab]
     assert shot.stat().st_size > 0
 
 
+def test_tool_call_and_its_result_are_shown(open_tab: Callable[..., Tab], server: Server) -> None:
+    """A reply that calls a tool shows the call (name, arguments) and no markup; the tool's result, posted
+    back as a tool message, shows in the transcript after a reload. The page runs no tool itself."""
+    page = open_tab().page
+    sid = start_chat(page, "pirate", max_tokens=150)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                             "required": ["city"]}}}]
+    page.evaluate("tools => window.chatsvc.socket.sendMessage('Weather in Lisbon?', "
+                  "{tools, tool_choice: 'required', parallel_tool_calls: false, max_tokens: 150, temperature: 0})",
+                  tools)
+    assert wait_reply_done(page) == "tool_calls"
+    reply = last_reply(page)
+    call = reply.locator(".tool-call")
+    assert call.count() == 1 and "Tool call: get_weather" in call.inner_text()
+    stored = stored_messages(server, sid)
+    assert reply.locator(".tool-call pre").inner_text() == stored[1]["tool_calls"][0]["function"]["arguments"]
+    assert "<tool_call>" not in reply.inner_text()
+    call_id = reply.locator(".tool-call").get_attribute("data-call-id")
+    assert call_id == stored[1]["tool_calls"][0]["id"]
+    page.evaluate("id => window.chatsvc.socket.sendMessage('{\"temp_c\": 19}', "
+                  "{role: 'tool', tool_call_id: id, max_tokens: 16, temperature: 0})", call_id)
+    page.wait_for_function("() => document.querySelectorAll('.msg.assistant').length == 2")
+    wait_reply_done(page)
+    page.reload()
+    page.wait_for_selector(".msg.tool")
+    result = page.locator(".msg.tool")
+    assert result.get_attribute("data-tool-call-id") == call_id
+    assert "Tool result" in result.inner_text() and '{"temp_c": 19}' in result.inner_text()
+    assert page.locator(".msg.assistant").first.locator(".tool-call").count() == 1
+    assert [m["role"] for m in stored_messages(server, sid)] == ["user", "assistant", "tool", "assistant"]
+
+
 def test_stop_keeps_the_partial_reply(open_tab: Callable[..., Tab], server: Server) -> None:
     page = open_tab().page
     sid = start_chat(page, "assistant", max_tokens=400)

@@ -143,9 +143,11 @@ function renderHistory(messages) {
   const box = $("#messages");
   box.replaceChildren();
   for (const m of messages || []) {
-    if (m.role !== "user" && m.role !== "assistant") continue; // the persona's system prompt
+    if (!["user", "assistant", "tool"].includes(m.role)) continue; // the persona's system prompt
     const node = addMessage(m.role, m.content);
+    if (m.role === "tool") node.dataset.toolCallId = m.tool_call_id || "";
     if (m.role === "assistant") {
+      showToolCalls(node, m.tool_calls);
       const parts = [];
       if (m.tokens != null) parts.push(`${m.tokens} tokens`);
       if (m.finish_reason) parts.push(finishLabel(m.finish_reason));
@@ -172,8 +174,8 @@ function addMessage(role, text) {
   node.className = `msg ${role}`;
   node.dataset.role = role;
   const who = document.createElement("h3");
-  who.className = "sr-only";
-  who.textContent = role === "user" ? "You said" : `${state.persona || "Assistant"} said`;
+  who.className = role === "tool" ? "tool-label" : "sr-only";
+  who.textContent = { user: "You said", tool: "Tool result" }[role] || `${state.persona || "Assistant"} said`;
   const body = document.createElement("div");
   body.className = "body";
   const meta = document.createElement("div");
@@ -191,6 +193,27 @@ function setBody(node, text) {
   else body.textContent = text; // what the user typed is shown exactly as typed
 }
 
+// A reply's tool calls, each its function's name and arguments, shown as text: the page runs no tools; a
+// client posts each result back as a "tool" message, which the transcript shows as a tool result.
+function showToolCalls(node, calls) {
+  node.querySelector(".tool-calls")?.remove();
+  if (!calls || !calls.length) return;
+  const list = document.createElement("ul");
+  list.className = "tool-calls";
+  for (const call of calls) {
+    const item = document.createElement("li");
+    item.className = "tool-call";
+    item.dataset.callId = call.id;
+    const name = document.createElement("strong");
+    name.textContent = `Tool call: ${call.function?.name ?? "?"}`;
+    const args = document.createElement("pre");
+    args.textContent = call.function?.arguments ?? "";
+    item.append(name, args);
+    list.append(item);
+  }
+  node.querySelector(".body").after(list);
+}
+
 function setMeta(node, text) {
   node.querySelector(".meta").textContent = text;
 }
@@ -202,7 +225,7 @@ function markFinish(node, reason) {
 }
 
 function finishLabel(reason) {
-  return { abort: "stopped", stop: "finished", length: "length limit" }[reason] || reason;
+  return { abort: "stopped", stop: "finished", length: "length limit", tool_calls: "called tools" }[reason] || reason;
 }
 
 let renderQueued = false;
@@ -213,7 +236,8 @@ function queueRender() {
     renderQueued = false;
     const r = state.reply;
     if (!r) return;
-    setBody(r.node, r.text);
+    // A reply that calls tools streams as the model writes the calls; they are shown once it is done.
+    setBody(r.node, r.text.startsWith("<tool_call>") ? "Calling a tool…" : r.text);
     setMeta(r.node, liveMeta(r));
     scrollDown();
   });
@@ -360,8 +384,10 @@ function onDone(frame) {
   const completion = usage.completion_tokens ?? r.tokens;
   // The stored reply is the whole truth: deltas written while the session store was away never arrived.
   const stored = frame.message && typeof frame.message.content === "string" ? frame.message.content : null;
-  if (stored !== null && stored.length > r.text.length) r.text = stored;
+  const calls = frame.message?.tool_calls;
+  if (stored !== null && (stored.length > r.text.length || calls?.length)) r.text = stored;
   setBody(r.node, r.text);
+  showToolCalls(r.node, calls);
   const parts = [];
   if (r.tFirst) {
     parts.push(`TTFT ${fmtSeconds(r.tFirst - r.tSend)}`);
