@@ -142,8 +142,12 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str | None]] = [
      A, 400, "invalid_value"),
     ("response-format-schema-not-object", "POST", "/v1/completions", {"prompt": "hi", "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, A, 400, "invalid_value"),
-    ("tools", "POST", "/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), A, 400,
-     "unsupported_parameter"),
+    ("tools-on-completions", "POST", "/v1/completions",
+     {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, A, 400, "unsupported_parameter"),
+    ("tools-same-name", "POST", "/v1/chat/completions",
+     chat(tools=[{"type": "function", "function": {"name": "f"}}] * 2), A, 400, "invalid_value"),
+    ("tool-choice-without-tools", "POST", "/v1/chat/completions", chat(tool_choice="required"), A, 400,
+     "invalid_value"),
     ("best-of", "POST", "/v1/completions", {"prompt": "hi", "best_of": 3}, A, 400, "unsupported_parameter"),
     ("session-id-with-suffix", "GET", "/v1/sessions/abc:messages", None, A, 404, "session_not_found"),
     ("session-id-path-chars", "POST", "/v1/sessions/a.b/cancel", None, A, 404, "session_not_found"),
@@ -178,6 +182,10 @@ def test_foreign_or_expired_session(server: LiveServer, foreign_sid: str, expire
     ({"content": "hi", "temperature": -1}, 400, "invalid_value"),
     ({"content": "hi", "max_tokens": 10**6}, 400, "context_length_exceeded"),
     ({}, 400, "invalid_value"),
+    ({"role": "tool", "tool_call_id": "call_none", "content": "21 C"}, 400, "invalid_value"),
+    ({"role": "tool", "content": "21 C"}, 400, "invalid_value"),
+    ({"content": "hi", "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}]},
+     400, "invalid_value"),
 ])
 def test_bad_session_message_stores_nothing(server: LiveServer, foreign_sid: str, body: dict[str, Any],
                                             status: int, code: str) -> None:

@@ -78,3 +78,54 @@ def test_event_ids_out_of_range_non_ascii_or_with_a_newline_are_400(value: str) 
     with pytest.raises(APIError) as exc:
         check_event_id(value)
     assert exc.value.status == 400 and exc.value.param == "after"
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize(("fields", "kind", "parallel", "shown"), [
+    ({}, "tool_calls_auto", True, True),
+    ({"tool_choice": "required", "parallel_tool_calls": False}, "tool_calls", False, True),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_calls", False, True),
+    ({"tool_choice": "none"}, None, False, False),
+])
+def test_tool_choice_maps_to_a_grammar(fields: dict[str, object], kind: str | None, parallel: bool,
+                                       shown: bool) -> None:
+    """Each tool choice's grammar; ``none`` shows no tools and constrains nothing, but its tools are still
+    compiled (``checked_grammar``) so that a bad schema is refused whatever the choice."""
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL],
+                                                **fields})
+    spec = req.sampling_params(8).grammar
+    assert (spec.kind if spec else None) == kind and (spec.parallel if spec else False) == parallel
+    assert req.calls_tools() == shown and req.grammar_param() == "tools"
+    checked = req.checked_grammar()
+    assert checked is not None and checked.kind.startswith("tool_calls")
+
+
+def test_messages_carry_tool_calls_and_results() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": ""}]})
+    assert [m.openai() for m in req.messages][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "", "tool_call_id": "call_1"}]
+    msg = SessionMessage.model_validate({"role": "tool", "tool_call_id": "call_1", "content": "4 C"})
+    assert msg.stored() == {"role": "tool", "content": "4 C", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"tool_choice": "auto"}, "tool_choice requires tools"),
+    ({"tools": [TOOL, TOOL]}, "two tools are named"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "x"}}}, "not among the tools"),
+    ({"tools": [TOOL], "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", "content": "y"}]},
+     "which no earlier assistant message called"),
+    ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "only a tool message has one"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "x",
+      "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]}, "only assistant messages"),
+])
+def test_bad_tool_fields_are_validation_errors(body: dict[str, object], message: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=message):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **body})

@@ -346,7 +346,7 @@ def test_tool_result_round_trips_through_a_session(server: LiveServer, redis_pro
     as a turn and, with the call, replayed into the next prompt; a result for no call stores nothing."""
     sid = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
     status, events = _events(server, sid, {"content": PROMPTS[0], "tools": TOOLS, "tool_choice": "required",
-                                           "max_tokens": 150, "temperature": 0})
+                                           "parallel_tool_calls": False, "max_tokens": 150, "temperature": 0})
     assert status == 200
     done = events[-1]
     assert done["type"] == "done" and done["finish_reason"] == "tool_calls", done
