@@ -159,9 +159,10 @@ class LLMEngine:
         return tiers, TierIO(self.runner.host_cache, tiers, disk)
 
     def close(self) -> None:
-        """Finish the disk tier's pending writes (a restart on the same directory then finds them)."""
-        if self.tiers is not None and self.tiers.disk is not None:
-            self.tiers.disk.close()
+        """Put the host tier's blocks on disk and finish the writes: a restart on the same directory finds
+        them. The engine serves nothing after this."""
+        if self.tier_io is not None:
+            self.tier_io.close()
 
     @classmethod
     def from_args(cls, model: str | None = None, *, fault_request_prefix: str | None = None,

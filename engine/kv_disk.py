@@ -18,6 +18,7 @@ here (hundreds of KiB per block in float32) a file's open/close costs little nex
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -217,7 +218,7 @@ class DiskStore:
             os.replace(tmp, path)
             self.written_blocks += 1
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
             with self._lock:
                 self._failed.append(block_hash)
                 self.write_failures += 1
@@ -231,7 +232,7 @@ class DiskStore:
                 self._pending.pop(block_hash, None)
 
     def _delete_file(self, block_hash: bytes) -> None:
-        self._path(block_hash).unlink(missing_ok=True)
+        _remove(self._path(block_hash))
 
     def _read_file(self, block_hash: bytes, token_ids: tuple[int, ...]) -> bytes | None:
         with self._lock:
@@ -251,11 +252,17 @@ class DiskStore:
             return None
         except (OSError, BadBlockFile) as exc:
             log.warning("dropping KV block file %s: %s", path.name, exc)
-            path.unlink(missing_ok=True)
+            _remove(path)
             with self._lock:
                 self.dropped_files += 1
             return None
         return payload
+
+
+def _remove(path: Path) -> None:
+    """Delete a file if the directory still allows it: a broken disk must not stop the thread."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 __all__ = ["BadBlockFile", "BlockFormat", "DiskStore", "FORMAT_VERSION", "MAGIC"]

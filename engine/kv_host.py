@@ -41,6 +41,13 @@ class TierIO:
             payload = self.storage[:, :, host_id].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
             self.disk.write(block_hash, tokens, payload)
 
+    def close(self) -> None:
+        """Spill what only the host tier holds, then let the disk tier finish writing."""
+        if self.disk is None:
+            return
+        self.spill(self.tiers.host_only_blocks())
+        self.disk.close()
+
     def install_reads(self) -> None:
         """Put the blocks the disk tier has read into the host tier (and drop the writes that failed)."""
         if self.disk is None:

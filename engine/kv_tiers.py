@@ -231,6 +231,14 @@ class KVTiers:
             kv_disk_failed_loads=c.disk_failed_loads, kv_disk_dropped_files=disk.dropped_files if disk else 0,
             kv_disk_write_failures=disk.write_failures if disk else 0, kv_disk_load_seconds=c.disk_load_seconds)
 
+    def host_only_blocks(self) -> tuple[tuple[int, bytes, tuple[int, ...]], ...]:
+        """Cached host blocks the disk tier lacks, oldest first (as ``spill`` entries)."""
+        if self.disk is None:
+            return ()
+        cached = [b for b in self.host.blocks if b.block_hash is not None]
+        return tuple((b.block_id, b.block_hash, b.token_ids) for b in cached
+                     if b.block_hash is not None and not self.disk.contains(b.block_hash, b.token_ids))
+
     def forget(self, request_id: str) -> None:
         """The request is finished or aborted; blocks still being read for it are installed all the same."""
         self._waiting_on.pop(request_id, None)
