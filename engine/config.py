@@ -82,8 +82,8 @@ class EngineConfig:
         0, "host-memory tier under the KV pool, in bytes (0: off): full blocks the pool evicts are copied there "
            "and restored instead of recomputed when their prefix returns")
     kv_disk_dir: str | None = _setting(
-        None, "directory of the disk tier under the host tier (chatsvc serve: <data dir>/kv when "
-              "--kv-disk-bytes is set); kept across restarts")
+        None, "directory of the disk tier under the host tier (chatsvc: <data dir>/kv when --kv-disk-bytes is "
+              "set); kept across restarts")
     kv_disk_bytes: int = _setting(
         0, "disk tier size in bytes (0: off); needs kv_host_bytes, through which its blocks are loaded")
 
