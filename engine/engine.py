@@ -160,7 +160,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Put the host tier's blocks on disk and finish the writes: a restart on the same directory finds
-        them. The engine serves nothing after this."""
+        them. The engine may go on serving afterwards."""
         if self.tier_io is not None:
             self.tier_io.close()
 

@@ -42,11 +42,12 @@ class TierIO:
             self.disk.write(block_hash, tokens, payload)
 
     def close(self) -> None:
-        """Spill what only the host tier holds, then let the disk tier finish writing."""
+        """Spill what only the host tier holds and wait for the disk tier's writes. The threads stay: an
+        engine whose loop ends may be driven again (and its tiers keep working)."""
         if self.disk is None:
             return
         self.spill(self.tiers.host_only_blocks())
-        self.disk.close()
+        self.disk.flush()
 
     def install_reads(self) -> None:
         """Put the blocks the disk tier has read into the host tier (and drop the writes that failed)."""
