@@ -168,7 +168,14 @@ class KVTiers:
         wanted: set[bytes] = set()
         for seq in group.unfinished_seqs():
             for block_hash, tokens in self.block_manager.prefix_chain(seq):
-                if self.device.lookup(block_hash, tokens) is not None or self.host.lookup(block_hash, tokens) is not None:
+                if self.device.lookup(block_hash, tokens) is not None:
+                    continue
+                host_id = self.host.lookup(block_hash, tokens)
+                if host_id is not None:
+                    # Made the most recently used: the blocks read for this chain's tail are installed over
+                    # the host tier's least recently used ones, which must not be this chain's own head.
+                    self.host.incref(host_id)
+                    self.host.decref(host_id)
                     continue
                 if len(wanted) >= self.max_read_blocks or not self.disk.contains(block_hash, tokens):
                     break
