@@ -97,7 +97,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if settings["kv_disk_bytes"] and not settings["kv_disk_dir"]:  # the disk tier lives with the other data
+        data_dir = getattr(args, "data_dir", None) or default_data_dir()
+        settings["kv_disk_dir"] = str(data_dir / "kv")
+    return EngineConfig(**settings)
 
 
 def is_loopback(host: str) -> bool:

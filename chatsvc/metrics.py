@@ -38,6 +38,11 @@ class EngineCollector(Collector):
             "requests_running": ("Requests running", s.requests_running),
             "requests_waiting": ("Requests waiting", s.requests_waiting),
             "requests_swapped": ("Requests swapped out to CPU", s.requests_swapped),
+            "kv_host_blocks_total": ("KV blocks of the host tier", s.kv_host_blocks_total),
+            "kv_host_blocks_cached": ("Host-tier blocks holding a restorable block", s.kv_host_blocks_cached),
+            "kv_host_bytes": ("Bytes of the host tier", s.kv_host_bytes),
+            "kv_disk_blocks": ("Blocks on the disk tier", s.kv_disk_blocks),
+            "kv_disk_bytes": ("Bytes the disk tier's files take (headers counted at their allowance)", s.kv_disk_bytes),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"chatsvc_{name}", doc, value=float(value))
@@ -49,6 +54,19 @@ class EngineCollector(Collector):
                                   value=float(s.stream_deltas_coalesced))
         yield CounterMetricFamily("chatsvc_streams_overflowed", "Requests aborted because their reader fell too far behind",
                                   value=float(s.streams_overflowed))
+        tier_counters = {
+            "kv_host_hit_blocks": ("Blocks restored from the host tier instead of recomputed", s.kv_host_hit_blocks),
+            "kv_host_offloaded_blocks": ("Evicted device blocks copied to the host tier", s.kv_host_offloaded_blocks),
+            "kv_disk_hit_blocks": ("Blocks read from the disk tier", s.kv_disk_hit_blocks),
+            "kv_disk_spilled_blocks": ("Host-tier blocks handed to the disk tier", s.kv_disk_spilled_blocks),
+            "kv_disk_failed_loads": ("Disk reads that found no valid file (recomputed)", s.kv_disk_failed_loads),
+            "kv_disk_dropped_files": ("Disk-tier files deleted as corrupt, truncated or foreign", s.kv_disk_dropped_files),
+            "kv_disk_write_failures": ("Disk-tier writes that failed (disk full)", s.kv_disk_write_failures),
+            "kv_disk_load_seconds": ("Disk read start to host-tier install, summed over kv_disk_hit_blocks",
+                                     s.kv_disk_load_seconds),
+        }
+        for name, (doc, value) in tier_counters.items():
+            yield CounterMetricFamily(f"chatsvc_{name}", doc, value=float(value))
         pre = CounterMetricFamily("chatsvc_preemptions", "Preempted sequence groups", labels=["mode"])
         pre.add_metric(["swap"], float(s.preemptions_swap))
         pre.add_metric(["recompute"], float(s.preemptions_recompute))

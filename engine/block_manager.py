@@ -94,6 +94,11 @@ class BlockManager:
             return []
         return self._cached_blocks(seq.token_ids, seq.num_tokens - 1)
 
+    def prefix_chain(self, seq: Sequence) -> list[tuple[bytes, tuple[int, ...]]]:
+        """``(hash, tokens)`` of every full block ``lookup_prefix`` could hit, in order: the keys of the KV
+        tiers under the pool (engine.kv_tiers) too."""
+        return [(h, tuple(t)) for h, t in self._full_block_hashes(seq.token_ids, seq.num_tokens - 1)]
+
     # -- allocation ---------------------------------------------------------------------------
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> int:
         table = self._tables.get(seq.seq_id, [])

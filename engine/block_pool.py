@@ -53,6 +53,9 @@ class BlockPool:
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._hash_to_block: dict[bytes, int] = {}
+        # Cached blocks that ``allocate`` evicted, as (block id, hash, tokens), when a lower tier wants to keep
+        # their KV (engine.kv_tiers drains it); None: nobody does, and nothing is recorded.
+        self.evictions: list[tuple[int, bytes, tuple[int, ...]]] | None = None
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -69,6 +72,8 @@ class BlockPool:
             block = self.blocks[self._free_uncached.popleft()]
         elif self._free_cached:
             block = self.blocks[self._free_cached.popitem(last=False)[0]]
+            if self.evictions is not None and block.block_hash is not None:
+                self.evictions.append((block.block_id, block.block_hash, block.token_ids))
             self._evict(block)
         else:
             raise RuntimeError("block pool exhausted; callers must check num_free first")

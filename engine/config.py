@@ -78,6 +78,14 @@ class EngineConfig:
     tensor_parallel_size: int = _setting(
         1, "processes the model is sharded over (heads, MLP features, vocabulary); it must divide the model's KV "
            "heads. The engine spawns the other ranks itself, or joins the ranks torchrun started")
+    kv_host_bytes: int = _setting(
+        0, "host-memory tier under the KV pool, in bytes (0: off): full blocks the pool evicts are copied there "
+           "and restored instead of recomputed when their prefix returns")
+    kv_disk_dir: str | None = _setting(
+        None, "directory of the disk tier under the host tier (chatsvc: <data dir>/kv when --kv-disk-bytes is "
+              "set); kept across restarts")
+    kv_disk_bytes: int = _setting(
+        0, "disk tier size in bytes (0: off); needs kv_host_bytes, through which its blocks are loaded")
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):  # a Path is as good as its string, and pickles the same
@@ -87,14 +95,24 @@ class EngineConfig:
             raise ValueError("give num_kv_blocks or kv_cache_mb, not both")
         _check_at_least(self, 1, "block_size", "num_kv_blocks", "kv_cache_mb", "engine_threads",
                         "tensor_parallel_size")
-        _check_at_least(self, 0, "swap_space_mb")
+        _check_at_least(self, 0, "swap_space_mb", "kv_host_bytes", "kv_disk_bytes")
+        if isinstance(self.kv_disk_dir, os.PathLike):
+            object.__setattr__(self, "kv_disk_dir", os.fspath(self.kv_disk_dir))
+        if self.kv_disk_bytes and not self.kv_disk_dir:
+            raise ValueError("kv_disk_bytes needs kv_disk_dir")
+        if self.kv_disk_bytes and not self.kv_host_bytes:
+            raise ValueError("kv_disk_bytes needs kv_host_bytes: disk blocks are loaded through the host tier")
+        if self.kv_host_bytes and self.tensor_parallel_size > 1:
+            raise ValueError("the KV host and disk tiers are not supported with tensor parallelism")
+        if self.kv_host_bytes and not self.enable_prefix_caching:
+            raise ValueError("the KV host and disk tiers need enable_prefix_caching: they are keyed by its hashes")
 
     def cache_config(self, block_bytes: int) -> CacheConfig:
         """Sizes in blocks, for blocks of ``block_bytes`` (all layers' K and V of ``block_size`` tokens)."""
         mb = self.kv_cache_mb or DEFAULT_KV_CACHE_MB
         num_blocks = self.num_kv_blocks or max(1, mb * 2**20 // block_bytes)
         return CacheConfig(self.block_size, num_blocks, self.swap_space_mb * 2**20 // block_bytes,
-                           self.enable_prefix_caching)
+                           self.enable_prefix_caching, self.kv_host_bytes // block_bytes)
 
     def scheduler_config(self, model_limit: int, cache: CacheConfig) -> SchedulerConfig:
         """``model_limit``: the model's positions, which bound max_model_len (and are its default, up to
@@ -136,10 +154,12 @@ class CacheConfig:
     num_device_blocks: int = 1024
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = True
+    # Blocks of the host tier (engine.kv_tiers); 0: no tier.
+    num_host_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_at_least(self, 1, "block_size", "num_device_blocks")
-        _check_at_least(self, 0, "num_cpu_blocks")
+        _check_at_least(self, 0, "num_cpu_blocks", "num_host_blocks")
 
 
 @dataclass(frozen=True)

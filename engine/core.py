@@ -166,6 +166,7 @@ class EngineCore:
     def shutdown(self) -> None:
         for request_id in list(self.live):
             self.deliver(self.engine.abort_request(request_id))
+        self.engine.close()
 
     def publish(self, channel: CoreChannel) -> None:
         """Send what changed since the last output, with the counters and (while wanted) a KV picture."""

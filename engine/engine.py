@@ -11,8 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for_futures
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +23,12 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import RankDiedError, make_runner, rank_zero, threads_per_rank
 from engine.grammar import GrammarCompiler, GrammarError, GrammarState, allocate_bitmask, fill_bitmask
+from engine.kv_disk import DiskStore
+from engine.kv_host import TierIO, block_format
+from engine.kv_tiers import KVTiers
 from engine.loader import load_model
 from engine.model.linear import onednn_supports
-from engine.plan import ScheduledSeq, SchedulerOutput
+from engine.plan import ScheduledSeq, SchedulerOutput, TierPlan
 from engine.protocol import EngineStats, KVSnapshot, RequestDelta
 from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
 from engine.runner import ModelRunner, kv_bytes_per_block, kv_pool
@@ -128,8 +130,8 @@ class LLMEngine:
         self._grammars = self._build_grammar_compiler()
 
         # Per rank under tensor parallelism: each holds its own KV heads of every block.
-        self.cache_config = config.cache_config(kv_bytes_per_block(loaded.model.layer_config, config.block_size,
-                                                                   self.dtype))
+        self.block_bytes = kv_bytes_per_block(loaded.model.layer_config, config.block_size, self.dtype)
+        self.cache_config = config.cache_config(self.block_bytes)
         self.scheduler_config = config.scheduler_config(loaded.config.max_position_embeddings, self.cache_config)
         cache = self.cache_config
         self.block_manager = BlockManager(cache.block_size, cache.num_device_blocks, cache.num_cpu_blocks,
@@ -138,16 +140,33 @@ class LLMEngine:
         costs = PreemptionCosts()
         if self.scheduler_config.preemption_mode == "auto" and cache.num_cpu_blocks:  # without them: recompute
             costs.observe_swap(*measure_swap(self.runner))
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, costs)
+        self.tiers, self.tier_io = self._make_tiers(config)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, costs, self.tiers)
         self.sampler = Sampler(backend.argmax)
         self._groups: dict[str, SequenceGroup] = {}
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._generators: dict[int, torch.Generator | None] = {}
         # Ready before the first step (see _build_grammar_compiler); usually done by now, the KV pool and runner
         # having taken longer.
-        wait_for_futures([self._grammars])
+        wait([self._grammars])
         self._fault_prefix = fault_request_prefix
         self._failures: list[tuple[str, BaseException]] = []
+
+    def _make_tiers(self, config: EngineConfig) -> tuple[KVTiers | None, TierIO | None]:
+        if not self.cache_config.num_host_blocks:
+            return None, None
+        disk = None
+        if config.kv_disk_bytes and config.kv_disk_dir:
+            fmt = block_format(self.runner.host_cache, str(self.model_path), self.dtype)
+            disk = DiskStore(config.kv_disk_dir, fmt, config.kv_disk_bytes)
+        tiers = KVTiers(self.block_manager, self.cache_config.num_host_blocks, disk)
+        return tiers, TierIO(self.runner.host_cache, tiers, disk)
+
+    def close(self) -> None:
+        """Put the host tier's blocks on disk and finish the writes: a restart on the same directory finds
+        them. The engine may go on serving afterwards."""
+        if self.tier_io is not None:
+            self.tier_io.close()
 
     @classmethod
     def from_args(cls, model: str | None = None, *, fault_request_prefix: str | None = None,
@@ -223,16 +242,22 @@ class LLMEngine:
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        if self.tier_io is not None:
+            self.tier_io.install_reads()
         out = self.scheduler.schedule()
         deltas: list[RequestDelta] = []
         for group in out.ignored:
             deltas.extend(self._finish_request(group))
         if out.is_empty:
+            if self.tiers is not None and self.tiers.reading:
+                # Only disk reads are left to wait for: wait on them rather than spin through empty steps.
+                wait(self.tiers.reads_in_flight(), timeout=0.05, return_when=FIRST_COMPLETED)
             return deltas
         # The block plans run once: swapped-out blocks may be reused by this very step's sequences, so
         # running them again after a failed forward would copy overwritten KV.
         self._execute_block_plans(out)
-        out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=())
+        out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=(),
+                                  tiers=TierPlan())
         now = time.perf_counter()
         threads = self._set_threads(out, now)
         started: float | None = now
@@ -271,6 +296,8 @@ class LLMEngine:
     def _execute_block_plans(self, out: SchedulerOutput) -> None:
         moved = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         started = time.perf_counter()
+        if self.tier_io is not None:
+            self.tier_io.spill(out.tiers.spill)  # before the offloads overwrite those host blocks
         self.runner.execute_block_plans(out)
         if moved:
             _synchronize(self.runner.device)
@@ -565,10 +592,11 @@ class LLMEngine:
         """Counters only: cheap enough to publish after every step."""
         costs = self.scheduler.costs
         threads = None if self.threads is None else self.threads.switches
-        return dataclasses.replace(
+        stats = dataclasses.replace(
             self.scheduler.stats(), swap_seconds_per_block=costs.swap_seconds_per_block,
             prefill_seconds_per_token=costs.prefill_seconds_per_token,
             step_threads=None if threads is None else torch.get_num_threads(), step_thread_switches=threads)
+        return stats if self.tiers is None else self.tiers.stats(stats, self.block_bytes)
 
     def kv_slot_usage(self) -> tuple[int, int]:
         """(device slots holding a token, slots allocated); walks every table, so benchmarks only."""

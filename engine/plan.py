@@ -61,6 +61,22 @@ StepSeq = ScheduledSeq | PlannedSeq
 
 
 @dataclass(frozen=True)
+class TierPlan:
+    """Block moves between the device pool and the KV tiers under it (engine.kv_tiers), in the order the
+    engine runs them: ``spill`` copies host blocks to the disk tier before ``offload`` overwrites them with
+    blocks the device pool evicted this step; ``load`` brings host blocks back into device blocks after
+    the offloads (and swaps) have read whatever those device blocks held before."""
+
+    spill: tuple[tuple[int, bytes, tuple[int, ...]], ...] = ()  # (host block, hash, token ids)
+    offload: tuple[tuple[int, int], ...] = ()  # (device, host)
+    load: tuple[tuple[int, int], ...] = ()  # (host, device)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.spill or self.offload or self.load)
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: tuple[ScheduledSeq, ...] = ()
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device, cpu)
@@ -69,6 +85,7 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
     # Requests that can never fit in the pool (even alone); finished with reason "length".
     ignored: tuple[SequenceGroup, ...] = ()
+    tiers: TierPlan = TierPlan()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -76,7 +93,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
+        return not (self.scheduled or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy
+                    or not self.tiers.is_empty)
 
 
-__all__ = ["PlannedSeq", "ScheduledSeq", "SchedulerOutput", "StepSeq"]
+__all__ = ["PlannedSeq", "ScheduledSeq", "SchedulerOutput", "StepSeq", "TierPlan"]

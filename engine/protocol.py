@@ -317,6 +317,20 @@ class EngineStats(_Json):
     prefill_seconds_per_token: Number = 0.0
     step_threads: Count | None = None
     step_thread_switches: Count | None = None
+    # The KV tiers under the pool (engine.kv_tiers); all 0 when they are off
+    kv_host_blocks_total: Count = 0
+    kv_host_blocks_cached: Count = 0
+    kv_host_bytes: Count = 0
+    kv_host_hit_blocks: Count = 0
+    kv_host_offloaded_blocks: Count = 0
+    kv_disk_blocks: Count = 0
+    kv_disk_bytes: Count = 0
+    kv_disk_hit_blocks: Count = 0
+    kv_disk_spilled_blocks: Count = 0
+    kv_disk_failed_loads: Count = 0
+    kv_disk_dropped_files: Count = 0
+    kv_disk_write_failures: Count = 0
+    kv_disk_load_seconds: Number = 0.0
     # What the engine computes with (kernels.runtime.KernelRuntime: kernel set, ISA, dtype, threads)
     runtime: Runtime | None = None
     # The client's view

@@ -164,6 +164,9 @@ class ModelRunner:
         self.kv_cache = kv_pool((config.num_layers, 2, cache.num_device_blocks, *per_block), dtype, device)
         self.cpu_cache = kv_pool((config.num_layers, 2, cache.num_cpu_blocks, *per_block), dtype, "cpu",
                                  pin_memory=device.type == "cuda")
+        # The host tier of engine.kv_tiers: the same layout, so its blocks move with the same swap kernel.
+        self.host_cache = kv_pool((config.num_layers, 2, cache.num_host_blocks, *per_block), dtype, "cpu",
+                                  pin_memory=device.type == "cuda" and cache.num_host_blocks > 0)
         self.block_tables = BlockTables()
         # Packed (oneDNN) linears pay for every new row count; F.linear and GPU GEMMs do not.
         self.pad_rows = model.lm_head_packed is not None
@@ -179,11 +182,16 @@ class ModelRunner:
         return torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
 
     def execute_block_plans(self, out: SchedulerOutput) -> None:
-        # Order matters: blocks swapped out may be handed to other sequences in this same step.
+        # Order matters: blocks evicted or swapped out may be handed to other sequences (and tier loads) in this
+        # same step, so everything that reads the device pool's old contents goes first.
+        if out.tiers.offload:
+            self.backend.swap_blocks(self.kv_cache, self.host_cache, self._mapping(out.tiers.offload))
         if out.blocks_to_swap_out:
             self.backend.swap_blocks(self.kv_cache, self.cpu_cache, self._mapping(out.blocks_to_swap_out))
         if out.blocks_to_swap_in:
             self.backend.swap_blocks(self.cpu_cache, self.kv_cache, self._mapping(out.blocks_to_swap_in))
+        if out.tiers.load:
+            self.backend.swap_blocks(self.host_cache, self.kv_cache, self._mapping(out.tiers.load))
         if out.blocks_to_copy:
             self.backend.copy_blocks(self.kv_cache, self._mapping(out.blocks_to_copy).to(self.device))
 

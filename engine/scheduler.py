@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, BlockPlan
 from engine.config import RESERVATIONS_NEEDING_OUTPUT_LENGTH, KVReservation, PreemptionMode, SchedulerConfig
-from engine.plan import ScheduledSeq, SchedulerOutput
+from engine.kv_tiers import KVTiers
+from engine.plan import ScheduledSeq, SchedulerOutput, TierPlan
 from engine.protocol import EngineStats, QueueFullError
 from engine.request import RequestStatus, Sequence, SequenceGroup
 
@@ -129,11 +130,14 @@ def _arrival(group: SequenceGroup) -> float:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 costs: PreemptionCosts | None = None) -> None:
+                 costs: PreemptionCosts | None = None, tiers: KVTiers | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.costs = costs or PreemptionCosts()
+        self.tiers = tiers
         self.waiting: deque[SequenceGroup] = deque()
+        # Waiting groups set aside while the disk tier reads their blocks (engine.kv_tiers); others pass them.
+        self.loading: list[SequenceGroup] = []
         self.running: list[SequenceGroup] = []  # kept in arrival order; the last is preempted first
         self.swapped: deque[SequenceGroup] = deque()
         self.num_preemptions = {"swap": 0, "recompute": 0}
@@ -154,11 +158,11 @@ class Scheduler:
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.loading)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
         """Remove a request from whichever queue holds it and free all its blocks at once."""
-        for queue in (self.running, self.waiting, self.swapped):
+        for queue in (self.running, self.waiting, self.swapped, self.loading):
             group = next((g for g in queue if g.request_id == request_id), None)
             if group is not None:
                 queue.remove(group)
@@ -178,13 +182,24 @@ class Scheduler:
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         plan = _StepPlan()
+        if self.tiers is not None:
+            self._return_loaded(self.tiers)
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:
             budget = self._schedule_swapped(plan, budget)
             if not self.swapped:
                 self._schedule_waiting(plan, budget)
+        tiers = TierPlan() if self.tiers is None else self.tiers.finish_plan()
         return SchedulerOutput(tuple(plan.scheduled), tuple(plan.swap_out), tuple(plan.swap_in),
-                               tuple(plan.copies), tuple(plan.preempted), tuple(plan.ignored))
+                               tuple(plan.copies), tuple(plan.preempted), tuple(plan.ignored), tiers)
+
+    def _return_loaded(self, tiers: KVTiers) -> None:
+        """Groups whose disk blocks are in the host tier now go back to the head of the waiting queue."""
+        tiers.begin_step()
+        loaded = [g for g in self.loading if tiers.loads_done(g.request_id)]
+        for group in reversed(loaded):
+            self.loading.remove(group)
+            self.waiting.appendleft(group)
 
     def _requests_for(self, group: SequenceGroup, budget: int) -> list[tuple[Sequence, int]]:
         requests = []
@@ -282,8 +297,14 @@ class Scheduler:
                                          group.num_prompt_tokens, group.sampling_params.reserve_output_tokens)
             if self._num_running_seqs() + self._seq_slots(group) > self.config.max_num_seqs:
                 break
+            if self.tiers is not None and self.tiers.start_disk_loads(group):
+                self.waiting.popleft()
+                self.loading.append(group)
+                continue
             admitted: list[tuple[Sequence, int]] = []
             for seq in group.unfinished_seqs():
+                if self.tiers is not None:
+                    self.tiers.restore(seq)
                 prefix = self.block_manager.lookup_prefix(seq)
                 # A later sequence of a group (re-admitted after recompute) may get no tokens this
                 # step when the budget is spent: it still gets its table and runs next step.
@@ -314,6 +335,8 @@ class Scheduler:
             for seq, n in admitted:
                 if n:
                     self._schedule_seq(plan, group, seq, seq.num_computed_tokens, n)
+        if self.tiers is not None:
+            self.tiers.release_admission()
 
     def _ignore(self, group: SequenceGroup, plan: _StepPlan) -> None:
         self._end(group, "length")
@@ -368,6 +391,8 @@ class Scheduler:
     def _finish_group(self, group: SequenceGroup) -> None:
         self.block_manager.free_group(group)
         group.status = RequestStatus.FINISHED
+        if self.tiers is not None:
+            self.tiers.forget(group.request_id)
 
     # -- numbers ------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -378,5 +403,5 @@ class Scheduler:
             cpu_blocks_free=bm.cpu.num_free, prefix_cache_queried_tokens=bm.prefix_queried_tokens,
             prefix_cache_hit_tokens=bm.prefix_hit_tokens, preemptions_swap=self.num_preemptions["swap"],
             preemptions_recompute=self.num_preemptions["recompute"], requests_running=len(self.running),
-            requests_waiting=len(self.waiting), requests_swapped=len(self.swapped),
+            requests_waiting=len(self.waiting) + len(self.loading), requests_swapped=len(self.swapped),
             max_waiting=self.config.max_waiting)

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "kernels", "chatsvc")
 STRICT_PACKAGES = ("engine", "kernels", "chatsvc")
 TORCH_FREE = {"engine.block_pool", "engine.block_manager", "engine.scheduler", "engine.plan", "engine.config",
+              "engine.kv_tiers", "engine.kv_disk",
               "engine.request", "engine.protocol", "engine.client", "engine.local_client", "engine.streams"}
 MECHANISM = ("engine.runner", "engine.model", "kernels")
 POLICY = {"engine.scheduler"}

@@ -134,6 +134,10 @@ def test_engine_config_follows_the_flags() -> None:
     assert default.max_waiting == 256  # the server's own bound, not the offline engine's
     with pytest.raises(SystemExit):  # one KV size or the other
         parser.parse_args(["--num-kv-blocks", "64", "--kv-cache-mb", "100"])
+    assert default.kv_host_bytes == 0 and default.kv_disk_bytes == 0 and default.kv_disk_dir is None  # tiers off
+    tiered = engine_config(parser.parse_args(["--kv-host-bytes", "1000", "--kv-disk-bytes", "2000", "--data-dir",
+                                              "/srv/chat"]))
+    assert tiered.kv_disk_dir == "/srv/chat/kv"  # the disk tier defaults to the data directory
 
 
 def test_every_engine_setting_has_a_flag_that_reaches_the_config() -> None:
@@ -157,8 +161,10 @@ def test_every_engine_setting_has_a_flag_that_reaches_the_config() -> None:
         elif choices:
             want = next(c for c in choices if c != f.default)
             argv = [flag, str(want)]
-        elif f.name == "model":
-            argv, want = [flag, "/some/model.gguf"], "/some/model.gguf"
+        elif f.name in ("model", "kv_disk_dir"):
+            argv, want = [flag, "/some/path"], "/some/path"
+        elif f.name == "kv_disk_bytes":  # the disk tier loads through the host tier
+            argv, want = [flag, "7", "--kv-host-bytes", "7"], 7
         else:
             argv, want = [flag, "7"], 7
         assert getattr(engine_config(parser.parse_args(argv)), f.name) == want, f.name

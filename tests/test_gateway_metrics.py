@@ -23,6 +23,7 @@ def test_engine_stats_become_gauges_and_counters(tmp_path: Path) -> None:
     engine = FakeEngine(tiny_tokenizer(tmp_path))
     engine.stats = lambda: EngineStats(kv_blocks_total=64, kv_blocks_free=48, preemptions_swap=3,  # type: ignore[method-assign]
                                        preemptions_recompute=1, prefix_cache_hit_tokens=32,
+                                       kv_host_blocks_total=10, kv_host_hit_blocks=7, kv_disk_load_seconds=0.5,
                                        runtime={"kernels": "cpp", "isa": "avx2", "dtype": "float32", "threads": 2,
                                                 "fallback": None})
     got = scrape(Metrics(engine))
@@ -32,6 +33,9 @@ def test_engine_stats_become_gauges_and_counters(tmp_path: Path) -> None:
     assert got[("chatsvc_preemptions_total", (("mode", "recompute"),))] == 1
     assert got[("chatsvc_prefix_cache_hit_tokens_total", ())] == 32
     assert got[("chatsvc_requests_waiting", ())] == 0  # not set: 0
+    assert got[("chatsvc_kv_host_blocks_total", ())] == 10
+    assert got[("chatsvc_kv_host_hit_blocks_total", ())] == 7
+    assert got[("chatsvc_kv_disk_load_seconds_total", ())] == 0.5
     runtime = (("dtype", "float32"), ("fallback", ""), ("isa", "avx2"), ("kernels", "cpp"), ("threads", "2"))
     assert got[("chatsvc_engine_runtime_info", runtime)] == 1
 

@@ -123,6 +123,11 @@ export class MemoryView {
     set("swapped", String(s.requests_swapped ?? 0));
     set("session", this.sessionId ? String(mine.length) : "–");
     set("cpu", `${counts.swapped} / ${s.cpu_blocks_total ?? 0}`);
+    // The KV tiers under the pool: blocks kept, and blocks restored from them instead of recomputed.
+    const hostTotal = s.kv_host_blocks_total ?? 0;
+    set("host", hostTotal ? `${s.kv_host_blocks_cached ?? 0} / ${hostTotal} blocks, ${s.kv_host_hit_blocks ?? 0} restored` : "off");
+    set("disk", s.kv_disk_blocks || s.kv_disk_hit_blocks
+      ? `${s.kv_disk_blocks ?? 0} blocks, ${s.kv_disk_hit_blocks ?? 0} read back` : hostTotal ? "off or empty" : "off");
     this.canvas.setAttribute("aria-label",
       `KV block pool: ${STATES.map((k) => `${counts[k]} ${k}`).join(", ")}; ${mine.length} in this session`);
   }

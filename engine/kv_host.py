@@ -1,0 +1,70 @@
+"""The tensor side of the KV tiers (engine.kv_tiers): host blocks handed to the disk tier and blocks read from
+disk written into the host tier, on the engine thread, between the step's plan and its copies.
+
+A spilled block is cloned out of the host tier (a memcpy) before the step's offloads overwrite it; the disk
+tier's writer thread hashes and writes the clone. A block read from disk is copied into its host block
+before the next plan can load it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.kv_disk import BlockFormat, DiskStore
+from engine.kv_tiers import KVTiers
+
+# The payload's axis order: each block's storage in the host tier (engine.runner.kv_pool stores head-major).
+LAYOUT = "layer,kv,head,token,dim"
+
+
+def block_format(host_cache: Tensor, model: str, dtype: torch.dtype) -> BlockFormat:
+    """What a disk block of this host tier holds; ``model`` names the weights the KV came from."""
+    storage = host_cache.transpose(3, 4)
+    shape = (storage.shape[0], storage.shape[1], *storage.shape[3:])
+    elem = torch.empty((), dtype=dtype).element_size()
+    return BlockFormat(model=model, dtype=str(dtype).removeprefix("torch."), block_size=host_cache.shape[3],
+                       layout=LAYOUT, shape=tuple(shape), payload_bytes=int(torch.Size(shape).numel()) * elem)
+
+
+class TierIO:
+    def __init__(self, host_cache: Tensor, tiers: KVTiers, disk: DiskStore | None) -> None:
+        self.storage = host_cache.transpose(3, 4)  # [layers, 2, blocks, heads, block_size, dim], contiguous
+        self.tiers = tiers
+        self.disk = disk
+
+    def spill(self, spills: tuple[tuple[int, bytes, tuple[int, ...]], ...]) -> None:
+        if self.disk is None:
+            return
+        for host_id, block_hash, tokens in spills:
+            # Copied out now (bytes of its own): this step's offloads reuse the host block.
+            payload = self.storage[:, :, host_id].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            self.disk.write(block_hash, tokens, payload)
+
+    def close(self) -> None:
+        """Spill what only the host tier holds and wait for the disk tier's writes. The threads stay: an
+        engine whose loop ends may be driven again (and its tiers keep working)."""
+        if self.disk is None:
+            return
+        self.spill(self.tiers.host_only_blocks())
+        self.disk.flush()
+
+    def install_reads(self) -> None:
+        """Put the blocks the disk tier has read into the host tier (and drop the writes that failed)."""
+        if self.disk is None:
+            return
+        self.disk.take_failed()
+        for read in self.tiers.take_completed_reads():
+            if read.payload is None:
+                continue
+            placed = self.tiers.install(read.block_hash, read.token_ids)
+            if placed is None:
+                continue
+            host_id, spills = placed
+            self.spill(spills)
+            target = self.storage[:, :, host_id]
+            raw = torch.frombuffer(bytearray(read.payload), dtype=torch.uint8)
+            target.copy_(raw.view(target.dtype).view(target.shape))
+
+
+__all__ = ["LAYOUT", "TierIO", "block_format"]
