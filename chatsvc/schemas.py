@@ -36,6 +36,10 @@ _UNSUPPORTED: dict[str, Any] = {
     "guided_grammar": lambda v, d: v is None,
 }
 
+# Of those, the ones a request model may have as fields (tool calling on the chat route): refused only where it
+# has not. The others are refused by value even where they are fields (best_of without beam search).
+_FIELDS_OF_SOME_ROUTES = frozenset({"tools", "tool_choice"})
+
 
 class JsonSchemaFormat(_Lenient):
     """OpenAI's ``response_format.json_schema``. ``strict`` is accepted either way: the output is always
@@ -107,7 +111,8 @@ class SamplingFields(_Lenient):
     def _no_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, harmless in _UNSUPPORTED.items():
-                if name in data and name not in cls.model_fields and not harmless(data[name], data):
+                supported_here = name in _FIELDS_OF_SOME_ROUTES and name in cls.model_fields
+                if name in data and not supported_here and not harmless(data[name], data):
                     raise APIError(400, f"'{name}' is not supported by this server", code="unsupported_parameter",
                                    param=name)
         return data

@@ -40,7 +40,6 @@ async def create_session(gw: Gateway, owner: str, persona: str | None, title: st
                          settings: SessionCreate | None = None) -> SessionMeta:
     """``settings``: a create request's other fields (its ``response_format``, compiled here: a 400 before
     anything is stored)."""
-    await gw.quotas.new_session(owner)
     name = persona or DEFAULT_PERSONA
     found = await gw.personas.get(owner, name)
     if found is None:
@@ -50,6 +49,7 @@ async def create_session(gw: Gateway, owner: str, persona: str | None, title: st
     if settings is not None:
         await gw.grammars.check(gw.engine.tokenizer, settings.grammar())
         response_format = settings.stored_response_format()
+    await gw.quotas.new_session(owner)  # after the checks: a refused request leaves nothing in Redis
     sid = new_session_id()
     await gw.quotas.live_session(owner, sid)
     try:
