@@ -6,6 +6,7 @@ sys.path, as for the other helper modules there); importing a fixture makes it a
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from timing import scaled
@@ -94,6 +96,31 @@ class LiveServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def sdk_server(redis_proc: RedisProc) -> Iterator[LiveServer]:
+    """The default model in an engine process behind a gateway, for the modules that drive the OpenAI routes
+    through the ``openai`` SDK (structured outputs, tools): one for the whole run, since each start loads the
+    model and compiles the grammar engine again."""
+    from chatsvc.app import create_app
+    from chatsvc.settings import Settings
+    from chatsvc.store import Store
+    from engine.engine_process import ProcessEngine
+
+    redis.Redis.from_url(redis_proc.url).flushdb()
+    eng = ProcessEngine.from_args(default_model_path(), dtype="float32", attention_backend="torch",
+                                  num_kv_blocks=512, max_num_seqs=16)
+    app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), Settings(max_n=4))
+    with LiveServer(app) as live:
+        live.gateway = app.state.gateway  # type: ignore[attr-defined]
+        yield live
+
+
+def finished_requests(server: LiveServer) -> float:
+    """Requests the gateway has seen finish, whatever the reason."""
+    text = httpx.get(server.url + "/metrics").text
+    return sum(float(v) for v in re.findall(r"^chatsvc_requests_finished_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M))
 
 
 def wait_personas_pinned(app: object, timeout_s: float = 60.0) -> None:

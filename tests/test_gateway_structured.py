@@ -7,8 +7,6 @@ with three models, greedy and sampled; a reply cut short reported as ``length``;
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,7 +14,7 @@ from typing import Annotated, Any, Literal
 import httpx
 import openai
 import pytest
-from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
+from gateway_fixtures import LiveServer, default_model_path, finished_requests, redis_proc, sdk_server  # noqa: F401
 from pydantic import BaseModel, Field
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -94,21 +92,8 @@ PROMPTS: list[tuple[type[BaseModel], str]] = [
 
 
 @pytest.fixture(scope="module")
-def server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
-    import redis as sync_redis
-
-    from chatsvc.app import create_app
-    from chatsvc.settings import Settings
-    from chatsvc.store import Store
-    from engine.engine_process import ProcessEngine
-
-    sync_redis.Redis.from_url(redis_proc.url).flushdb()
-    eng = ProcessEngine.from_args(default_model_path(), dtype="float32", attention_backend="torch",
-                                  num_kv_blocks=512, max_num_seqs=16)
-    app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), Settings(max_n=4))
-    with LiveServer(app) as live:
-        live.gateway = app.state.gateway  # type: ignore[attr-defined]
-        yield live
+def server(sdk_server: LiveServer) -> LiveServer:  # noqa: F811
+    return sdk_server
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +104,6 @@ def client(server: LiveServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def _finished(server: LiveServer) -> float:
-    """Requests the gateway has seen finish, whatever the reason."""
-    text = httpx.get(server.url + "/metrics").text
-    return sum(float(v) for v in re.findall(r"^chatsvc_requests_finished_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M))
 
 
 @pytest.mark.parametrize(("shape", "prompt"), PROMPTS, ids=["capital-fr", "capital-jp", "review"])
@@ -214,14 +193,14 @@ def test_streamed_reply_is_the_whole_reply(client: openai.OpenAI, model: str) ->
 ])
 def test_bad_response_format_is_a_400_and_reaches_no_engine(server: LiveServer, fmt: dict[str, Any],
                                                             message: str) -> None:
-    before = _finished(server)
+    before = finished_requests(server)
     for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
                        ("/v1/completions", {"prompt": "hi"})):
         r = httpx.post(server.url + path, json={**body, "response_format": fmt, "max_tokens": 8}, timeout=60)
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "invalid_value" and message in err["message"], err
-    assert _finished(server) == before
+    assert finished_requests(server) == before
     assert server.gateway.engine.stats().requests_waiting == 0  # type: ignore[attr-defined]
 
 

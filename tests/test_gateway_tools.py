@@ -7,14 +7,12 @@ WebSocket frames, and bad input refused with a 400 before anything is stored or 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
 import httpx
 import openai
 import pytest
-from gateway_fixtures import LiveServer, default_model_path, redis_proc  # noqa: F401
+from gateway_fixtures import LiveServer, default_model_path, finished_requests, redis_proc, sdk_server  # noqa: F401
 from pydantic import BaseModel, Field
 
 from chatsvc.tools import (
@@ -151,21 +149,8 @@ def test_native_template_gets_tools_and_argument_objects() -> None:
 # ---------------------------------------------------------------------------------------------- the server
 
 @pytest.fixture(scope="module")
-def server(redis_proc) -> Iterator[LiveServer]:  # noqa: F811
-    import redis as sync_redis
-
-    from chatsvc.app import create_app
-    from chatsvc.settings import Settings
-    from chatsvc.store import Store
-    from engine.engine_process import ProcessEngine
-
-    sync_redis.Redis.from_url(redis_proc.url).flushdb()
-    eng = ProcessEngine.from_args(default_model_path(), dtype="float32", attention_backend="torch",
-                                  num_kv_blocks=256, max_num_seqs=8)
-    app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), Settings(max_n=4))
-    with LiveServer(app) as live:
-        live.gateway = app.state.gateway  # type: ignore[attr-defined]
-        yield live
+def server(sdk_server: LiveServer) -> LiveServer:  # noqa: F811
+    return sdk_server
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +161,6 @@ def client(server: LiveServer) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def _finished(server: LiveServer) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    return sum(float(v) for v in re.findall(r"^chatsvc_requests_finished_total\{[^}]*\} ([0-9.e+-]+)$", text, re.M))
 
 
 def _valid(call: Any) -> None:
@@ -322,11 +302,11 @@ CALLED = [{"role": "user", "content": "hi"},
 ])
 def test_bad_tool_input_is_a_400_and_reaches_no_engine(server: LiveServer, path: str, body: dict[str, Any],
                                                        message: str) -> None:
-    before = _finished(server)
+    before = finished_requests(server)
     r = httpx.post(server.url + path, json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"], r.json()
-    assert _finished(server) == before
+    assert finished_requests(server) == before
 
 
 def _events(server: LiveServer, sid: str, body: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
