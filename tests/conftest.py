@@ -46,7 +46,7 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: pytest_timeout.Setting
     return bool(pytest_timeout.pytest_timeout_set_timer(item, scaled))
 
 
-LONG_REASON = "long (multi-process chaos or soak): .ci/run runs it; pytest --run-long here"
+LONG_REASON = "long (multi-process chaos, soak or a benchmark smoke run): .ci/run runs it; pytest --run-long here"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

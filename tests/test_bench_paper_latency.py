@@ -43,6 +43,7 @@ def test_sustained_rate_interpolates_the_threshold_crossing() -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.long  # minutes of arrivals in wall-clock time, mostly idle: .ci/run runs it
 def test_quick_run_writes_the_record_and_figures(tmp_path: Path) -> None:
     output = tmp_path / "latency_vs_rate.txt"
     proc = subprocess.run([sys.executable, "benchmarks/paper/latency_vs_rate.py", "--quick", "--output", str(output)],

@@ -246,7 +246,7 @@ def fmt(value: float | None, suffix: str = "") -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run in well under a minute (tiny traces)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny traces, a few minutes on 2 cores (arrivals run in wall-clock time)")
     parser.add_argument("--figures", default="12,13,14,17", help="which of 12,13,14,17 to run (13 comes with 12)")
     parser.add_argument("--window", type=float, default=15.0, help="seconds of arrivals per run")
     parser.add_argument("--min-requests", type=int, default=3)
