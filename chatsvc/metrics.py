@@ -46,15 +46,11 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"chatsvc_{name}", doc, value=float(value))
-        yield CounterMetricFamily("chatsvc_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=float(s.prefix_cache_queried_tokens))
-        yield CounterMetricFamily("chatsvc_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=float(s.prefix_cache_hit_tokens))
-        yield CounterMetricFamily("chatsvc_stream_deltas_coalesced", "Deltas merged into an earlier one for a slow reader",
-                                  value=float(s.stream_deltas_coalesced))
-        yield CounterMetricFamily("chatsvc_streams_overflowed", "Requests aborted because their reader fell too far behind",
-                                  value=float(s.streams_overflowed))
-        tier_counters = {
+        counters = {
+            "prefix_cache_queried_tokens": ("Prompt tokens looked up in the prefix cache", s.prefix_cache_queried_tokens),
+            "prefix_cache_hit_tokens": ("Prompt tokens served from the prefix cache", s.prefix_cache_hit_tokens),
+            "stream_deltas_coalesced": ("Deltas merged into an earlier one for a slow reader", s.stream_deltas_coalesced),
+            "streams_overflowed": ("Requests aborted because their reader fell too far behind", s.streams_overflowed),
             "kv_host_hit_blocks": ("Blocks restored from the host tier instead of recomputed", s.kv_host_hit_blocks),
             "kv_host_offloaded_blocks": ("Evicted device blocks copied to the host tier", s.kv_host_offloaded_blocks),
             "kv_disk_hit_blocks": ("Blocks read from the disk tier", s.kv_disk_hit_blocks),
@@ -65,7 +61,7 @@ class EngineCollector(Collector):
             "kv_disk_load_seconds": ("Disk read start to host-tier install, summed over kv_disk_hit_blocks",
                                      s.kv_disk_load_seconds),
         }
-        for name, (doc, value) in tier_counters.items():
+        for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"chatsvc_{name}", doc, value=float(value))
         pre = CounterMetricFamily("chatsvc_preemptions", "Preempted sequence groups", labels=["mode"])
         pre.add_metric(["swap"], float(s.preemptions_swap))
