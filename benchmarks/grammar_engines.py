@@ -389,14 +389,14 @@ def measure(name: str, walks: int, repeats: int, threads: int, limit: float) -> 
 
 
 def apply_ms(vocab: int, rows: int = 32) -> dict[str, float]:
-    """Masking ``[rows, vocab]`` float32 logits in place: ``engine.grammar.apply_bitmask`` (torch, a byte
-    table) vs xgrammar's C++ kernel where it is installed."""
-    from engine.grammar import apply_bitmask
+    """Masking ``[rows, vocab]`` float32 logits in place from a bitmask: ``engine.grammar_masks.apply_bitmask``
+    (a byte table to ceilings, then a minimum) vs xgrammar's C++ kernel where it is installed."""
+    from engine.grammar_masks import apply_bitmask
 
     bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32)
     logits = torch.randn(rows, vocab)
     every = list(range(rows))
-    cases: dict[str, Any] = {"engine.grammar": lambda: apply_bitmask(logits, bitmask, every, vocab)}
+    cases: dict[str, Any] = {"engine.grammar_masks": lambda: apply_bitmask(logits, bitmask, every, vocab)}
     try:
         import xgrammar as xgr
 

@@ -22,7 +22,8 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.distributed import RankDiedError, make_runner, rank_zero, threads_per_rank
-from engine.grammar import GrammarCompiler, GrammarError, GrammarState, allocate_bitmask, fill_bitmask
+from engine.grammar import GrammarCompiler, GrammarError, GrammarState
+from engine.grammar_masks import MaskFiller, PendingMasks
 from engine.kv_disk import DiskStore
 from engine.kv_host import TierIO, block_format
 from engine.kv_tiers import KVTiers
@@ -151,6 +152,7 @@ class LLMEngine:
         wait([self._grammars])
         self._fault_prefix = fault_request_prefix
         self._failures: list[tuple[str, BaseException]] = []
+        self._mask_filler: MaskFiller | None = None  # made at the first grammar row
 
     def _make_tiers(self, config: EngineConfig) -> tuple[KVTiers | None, TierIO | None]:
         if not self.cache_config.num_host_blocks:
@@ -167,6 +169,9 @@ class LLMEngine:
         them. The engine may go on serving afterwards."""
         if self.tier_io is not None:
             self.tier_io.close()
+        if self._mask_filler is not None:
+            self._mask_filler.close()
+            self._mask_filler = None
 
     @classmethod
     def from_args(cls, model: str | None = None, *, fault_request_prefix: str | None = None,
@@ -258,6 +263,7 @@ class LLMEngine:
         self._execute_block_plans(out)
         out = dataclasses.replace(out, blocks_to_swap_out=(), blocks_to_swap_in=(), blocks_to_copy=(),
                                   tiers=TierPlan())
+        masks = self._prefetch_masks(out)  # on the filler's thread while the forward runs
         now = time.perf_counter()
         threads = self._set_threads(out, now)
         started: float | None = now
@@ -273,7 +279,7 @@ class LLMEngine:
         if logits is None:
             return deltas
         rows = self._sampling_rows(samplers)
-        result = self._sample(logits, rows)  # its token ids are on the host: the step's work is done
+        result = self._sample(logits, rows, masks)  # its token ids are on the host: the step's work is done
         if started is not None:
             ended = time.perf_counter()
             self._observe_prefill(out, ended - started)
@@ -394,20 +400,53 @@ class LLMEngine:
             rows.extend((i, group, seq) for seq in seqs)
         return rows
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, SequenceGroup, Sequence]]) -> SamplerOutput:
+    @property
+    def mask_filler(self) -> MaskFiller:
+        if self._mask_filler is None:
+            self._mask_filler = MaskFiller(self.grammar_compiler.vocab_size)
+        return self._mask_filler
+
+    def _prefetch_masks(self, out: SchedulerOutput) -> PendingMasks | None:
+        """Starts the masks of this step's sampling rows that follow a grammar. Their states stay put until
+        ``_postprocess`` accepts the step's tokens, after ``_sample`` has waited for the masks."""
+        items = [item for item in out.scheduled if item.samples and item.group.grammar is not None]
+        if not items:
+            return None
+        states = [self._grammar_state(item.group, item.seq) for item in items]
+        return PendingMasks(tuple(item.seq.seq_id for item in items), self.mask_filler.ceilings(states))
+
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[int, SequenceGroup, Sequence]],
+                masks: PendingMasks | None = None) -> SamplerOutput:
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor([i for i, _, _ in rows], device=logits.device)]
         states = {r: self._grammar_state(g, s) for r, (_, g, s) in enumerate(rows) if g.grammar is not None}
-        bitmask = None
-        if states:
-            bitmask = allocate_bitmask(len(rows), self.grammar_compiler.vocab_size)
-            fill_bitmask(bitmask, states)  # the rows in parallel, on llguidance's threads
+        ceilings = self._grammar_ceilings([rows[r][2].seq_id for r in states], list(states.values()), masks)
         groups, seqs = [g for _, g, _ in rows], [s for _, _, s in rows]
         batch = SamplingBatch([g.sampling_params for g in groups], [s.prompt_token_ids for s in seqs],
                               [s.output_token_ids for s in seqs], [self._generator(g, s) for _, g, s in rows],
-                              self.eos_token_ids, grammar_rows=tuple(states), bitmask=bitmask,
-                              grammar_vocab=self.grammar_compiler.vocab_size if states else 0)
+                              self.eos_token_ids, grammar_rows=tuple(states), grammar_ceilings=ceilings)
         return self.sampler(logits, batch)
+
+    def _grammar_ceilings(self, seq_ids: list[int], states: list[GrammarState], masks: PendingMasks | None
+                          ) -> torch.Tensor | None:
+        """The ceilings of ``states`` (of ``seq_ids``), a row each: the prefetched ones, and the rest filled now
+        (the ``n`` samples forked after their prompt: they did not exist before the forward)."""
+        if not states:
+            return None
+        ready = masks.ceilings.result() if masks is not None else None
+        at = {seq_id: i for i, seq_id in enumerate(masks.seq_ids)} if masks is not None else {}
+        missing = [i for i, seq_id in enumerate(seq_ids) if seq_id not in at]
+        if not missing and ready is not None:
+            picks = [at[seq_id] for seq_id in seq_ids]
+            return ready if picks == list(range(ready.shape[0])) else ready[picks]
+        filled = self.mask_filler.ceilings([states[i] for i in missing]).result()
+        ceilings = torch.empty(len(states), filled.shape[1], dtype=filled.dtype)
+        ceilings[missing] = filled
+        present = [i for i in range(len(states)) if i not in set(missing)]
+        if present:
+            assert ready is not None
+            ceilings[present] = ready[[at[seq_ids[i]] for i in present]]
+        return ceilings
 
     @staticmethod
     def _grammar_state(group: SequenceGroup, seq: Sequence) -> GrammarState:

@@ -17,8 +17,8 @@ The pieces, in the order a request meets them:
   * ``GrammarCompiler``: one per tokenizer; compiles specs in worker threads with a time bound, caching the
     results (errors included) by key, least recently used first out;
   * ``GrammarState``: one per request; follows the tokens sampled and fills the request's row of a batched
-    bitmask (``allocate_bitmask``, ``fill_bitmask`` for many rows in parallel);
-  * ``apply_bitmask``: masks the grammar rows of a ``[rows, vocab]`` logits tensor in place.
+    bitmask (``engine.grammar_masks`` fills a step's rows together, off the step's critical path, and applies
+    them to the logits).
 
 JSON comes out on one line with ``", "`` and ``": "`` separators (``json.dumps``' defaults): flexible
 whitespace lets a small model spend its tokens on newlines, and the fixed layout is what the gateway's
@@ -45,7 +45,6 @@ import functools
 import hashlib
 import json
 import re
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -61,8 +60,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = ["TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "CompiledGrammar", "GrammarCompiler", "GrammarError",
-           "GrammarKind", "GrammarSpec", "GrammarState", "allocate_bitmask", "apply_bitmask", "fill_bitmask",
-           "parse_tool_calls", "tool_call_schema", "tool_call_spec"]
+           "GrammarKind", "GrammarSpec", "GrammarState", "check_bitmask", "parse_tool_calls",
+           "tool_call_schema", "tool_call_spec"]
 
 GrammarKind = Literal["json_object", "json_schema", "tool_calls", "tool_calls_auto"]
 _KINDS = ("json_object", "json_schema", "tool_calls", "tool_calls_auto")
@@ -71,8 +70,6 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ",
                                      "key_separator": ": "}
-# The masks are read as bytes (apply_bitmask): bit j of int32 word w is token 32 * w + j only little-endian.
-assert sys.byteorder == "little", "engine.grammar reads int32 bitmasks as little-endian bytes"
 
 
 class GrammarError(ValueError):
@@ -340,8 +337,8 @@ class GrammarCompiler:
 
 
 class GrammarState:
-    """One request's place in its grammar. Not thread-safe: the engine thread owns it (``fill_bitmask`` may
-    run it on llguidance's threads while that thread waits)."""
+    """One request's place in its grammar. Not thread-safe: the engine thread owns it, and lends it to
+    ``engine.grammar_masks.MaskFiller`` while the forward runs (nothing moves it meanwhile)."""
 
     __slots__ = ("_matcher", "spec")
 
@@ -374,70 +371,27 @@ class GrammarState:
         without sampling."""
         return list(self._matcher.compute_ff_tokens())
 
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        """llguidance's matcher, for filling many rows' masks at once (``engine.grammar_masks``)."""
+        return self._matcher
+
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
 
     def fill(self, bitmask: Tensor, row: int) -> None:
         """Writes the allowed next tokens into ``bitmask[row]``."""
-        _check(bitmask)
+        check_bitmask(bitmask)
         if not 0 <= row < bitmask.shape[0]:  # llguidance writes where it is told: no stray writes
             raise IndexError(f"row {row} of a bitmask of {bitmask.shape[0]} rows")
         words = bitmask.shape[1]
         self._matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * words * 4, words * 4)
 
 
-def allocate_bitmask(rows: int, vocab_size: int) -> Tensor:
-    """``[rows, ceil(vocab_size / 32)]`` int32, every token allowed: bit ``t % 32`` of word ``t // 32`` is
-    token ``t``. ``vocab_size``: the compiler's (llguidance refuses a mask of another width with a
-    ValueError); ``apply_bitmask`` handles logits wider than it."""
-    import torch
-
-    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
-
-
-def _check(bitmask: Tensor) -> None:
+def check_bitmask(bitmask: Tensor) -> None:
+    """llguidance writes through a raw pointer: only a contiguous 2-D int32 CPU tensor may take its masks."""
     import torch
 
     if not (bitmask.dtype == torch.int32 and bitmask.dim() == 2 and bitmask.is_contiguous()
             and bitmask.device.type == "cpu"):
         raise ValueError("the bitmask must be a contiguous 2-D int32 CPU tensor (allocate_bitmask)")
-
-
-@functools.lru_cache(maxsize=1)
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()  # llguidance's threads (80% of the CPUs): the fills release the GIL
-
-
-def fill_bitmask(bitmask: Tensor, rows: Mapping[int, GrammarState]) -> None:
-    """Fills ``bitmask[row]`` for every ``row: state``, the rows in parallel. Other rows are not written."""
-    _check(bitmask)
-    if rows:
-        words = bitmask.shape[1]
-        pairs = [(state._matcher, row) for row, state in rows.items()]
-        _executor().unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), words * 4, bitmask.shape[0])
-
-
-def apply_bitmask(logits: Tensor, bitmask: Tensor, rows: Sequence[int], vocab_size: int) -> None:
-    """Sets to -inf, in place, the logits of the tokens ``bitmask`` blocks in each of ``rows`` (a row of
-    ``bitmask`` per row of ``logits``), and every logit past ``vocab_size`` (the grammar's vocabulary: a model
-    may pad its LM head beyond it) in those rows. Other rows are left untouched, bit for bit."""
-    if not rows:
-        return
-    import numpy as np
-    import torch
-
-    n = min(vocab_size, logits.shape[1], bitmask.shape[1] * 32)
-    # numpy's unpackbits is one C pass (torch has no bit unpacking: its shift-and-compare or table gathers
-    # measured 2-4x slower); the inverted bytes unpack straight to "blocked", viewed as bool without a copy.
-    words = bitmask.numpy()[list(rows)]
-    bits = np.unpackbits(~words.view(np.uint8), axis=1, bitorder="little")
-    blocked = torch.from_numpy(bits).view(torch.bool)
-    if list(rows) != list(range(logits.shape[0])):
-        # One masked_fill_ over every row, False where there is no grammar: a call per row costs torch's
-        # thread start-up each time (7x slower for 32 rows here), a gather and scatter of rows copies them.
-        every = torch.zeros(logits.shape[0], blocked.shape[1], dtype=torch.bool)
-        every[list(rows)] = blocked
-        blocked = every
-    logits[:, :n].masked_fill_(blocked[:, :n].to(logits.device), float("-inf"))
-    if logits.shape[1] > n:
-        logits[torch.tensor(list(rows), device=logits.device), n:] = float("-inf")

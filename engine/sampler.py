@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from engine.beam import end_tokens, num_candidates
-from engine.grammar import apply_bitmask
+from engine.grammar_masks import apply_ceilings
 from engine.request import SamplingParams
 
 _MASK = float("-inf")
@@ -43,19 +43,18 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]
     eos_token_ids: frozenset[int]
-    # Structured outputs: the rows under a grammar, and ``engine.grammar``'s bitmask of their allowed tokens
-    # (a row per batch row; only ``grammar_rows`` are read) for a grammar vocabulary of ``grammar_vocab``.
+    # Structured outputs: the rows under a grammar, and each one's token ceilings (``engine.grammar_masks``:
+    # +inf where its grammar allows the token, -inf where not), a row of ``grammar_ceilings`` per grammar row.
     grammar_rows: tuple[int, ...] = ()
-    bitmask: Tensor | None = None
-    grammar_vocab: int = 0
+    grammar_ceilings: Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.params)
         if not (len(self.prompt_token_ids) == len(self.output_token_ids) == len(self.generators) == n):
             raise ValueError("SamplingBatch lists must all have one entry per row")
-        mask = self.bitmask
-        if self.grammar_rows and (mask is None or mask.shape[0] != n or self.grammar_vocab < 1):
-            raise ValueError("grammar rows need a bitmask with a row per batch row and a grammar vocab size")
+        ceilings = self.grammar_ceilings
+        if self.grammar_rows and (ceilings is None or ceilings.shape[0] != len(self.grammar_rows)):
+            raise ValueError("grammar rows need their token ceilings, a row per grammar row")
 
 
 @dataclass(frozen=True)
@@ -203,12 +202,12 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(batch.params):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(batch.params)} rows")
         if batch.grammar_rows:
-            assert batch.bitmask is not None
+            assert batch.grammar_ceilings is not None
             # In place, before anything reads the logits: greedy, sampling and logprobs all see the grammar's
             # choices only, and the other rows are not touched (bit for bit). The runner's logits are inference
             # tensors, which only inference mode may write.
             with torch.inference_mode():
-                apply_bitmask(logits, batch.bitmask, batch.grammar_rows, batch.grammar_vocab)
+                apply_ceilings(logits, batch.grammar_ceilings, batch.grammar_rows)
         out = self._pick(logits, batch)
         beam_rows = [i for i, p in enumerate(batch.params) if p.use_beam_search]
         if not beam_rows:

@@ -1,6 +1,5 @@
 """engine/grammar.py on the real tokenizer (SmolLM2's 49,152 tokens): walks that pick the best allowed token
-under random logits end in JSON that validates; bad input, pathological schemas and the cache; the mask
-touches only grammar rows.
+under random logits end in JSON that validates; bad input, pathological schemas and the cache.
 
 A walk under random logits visits grammar states a model would rarely reach (every allowed token gets its
 turn), which is what a constraint must hold for; its strings and arrays are bounded so that walks end.
@@ -21,13 +20,11 @@ from engine.grammar import (
     GrammarError,
     GrammarSpec,
     GrammarState,
-    allocate_bitmask,
-    apply_bitmask,
-    fill_bitmask,
     parse_tool_calls,
     tool_call_schema,
     tool_call_spec,
 )
+from engine.grammar_masks import allocate_bitmask, apply_bitmask
 from engine.model_files import load_tokenizer
 from engine.tokenizer import Tokenizer
 
@@ -308,36 +305,6 @@ def test_spec_keys_are_stable() -> None:
         GrammarSpec("regex", "a+")  # type: ignore[arg-type]
     with pytest.raises(GrammarError, match="needs a schema"):
         GrammarSpec("json_schema")
-
-
-def test_mask_touches_only_grammar_rows(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
-    vocab = compiler.vocab_size
-    states = {1: compiler.state(GrammarSpec.json_schema(PERSON)),
-              3: compiler.state(GrammarSpec.json_object())}
-    for token in tokenizer.encode('{"name": "Al'):
-        assert states[1].accept(token)
-    bitmask = allocate_bitmask(4, vocab)
-    fill_bitmask(bitmask, states)
-    one_by_one = allocate_bitmask(4, vocab)
-    for row, state in states.items():
-        state.fill(one_by_one, row)
-    assert torch.equal(bitmask, one_by_one)
-    assert bool((bitmask[[0, 2]] == -1).all())  # rows without a grammar were not written
-
-    logits = torch.randn(4, vocab + 100, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    before = logits.clone()
-    apply_bitmask(logits, bitmask, list(states), vocab)
-    assert torch.equal(logits[[0, 2]], before[[0, 2]])
-    shifts = torch.arange(32, dtype=torch.int32)
-    for row in states:
-        allowed = ((bitmask[row].unsqueeze(-1) >> shifts) & 1).bool().flatten()[:vocab]
-        assert 0 < int(allowed.sum()) < vocab
-        assert torch.equal(logits[row, :vocab][allowed], before[row, :vocab][allowed])
-        assert bool(torch.isneginf(logits[row, :vocab][~allowed]).all())
-        assert bool(torch.isneginf(logits[row, vocab:]).all())  # the padded columns no grammar allows
-    # '{' starts the JSON object; inside the person's name a quote or letters may follow, not a brace.
-    assert bool(allowed[tokenizer.encode("{")[0]])
-    assert not torch.isneginf(logits[1, tokenizer.encode('"')[0]]).item()
 
 
 def test_parse_tool_calls_keeps_text_and_bad_blocks() -> None:

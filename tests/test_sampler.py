@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.grammar import allocate_bitmask
+from engine.grammar_masks import allocate_bitmask, token_ceilings
 from engine.request import SamplingParams
 from engine.sampler import (
     HEAD_WIDTH,
@@ -300,7 +300,7 @@ def test_batch_shape_mismatch_is_rejected() -> None:
 
 # -- structured outputs: grammar rows ---------------------------------------------------------------------
 def _allow(bitmask: torch.Tensor, row: int, tokens: list[int]) -> None:
-    """Row ``row`` of an ``engine.grammar`` bitmask allows exactly ``tokens``."""
+    """Row ``row`` of an ``engine.grammar_masks`` bitmask allows exactly ``tokens``."""
     bits = torch.zeros(bitmask.shape[1] * 32, dtype=torch.bool)
     bits[tokens] = True
     weights = torch.tensor([1 << j for j in range(32)], dtype=torch.int64)
@@ -323,7 +323,8 @@ def test_grammar_rows_pick_allowed_tokens_and_other_rows_are_untouched() -> None
     before = logits[plain_rows].clone()
     plain = Sampler()(logits.clone(), batch_of(params))
     batch = SamplingBatch(params, [[0]] * 5, [[] for _ in params], [None] * 5, frozenset({EOS}),
-                          grammar_rows=tuple(allowed), bitmask=bitmask, grammar_vocab=vocab)
+                          grammar_rows=tuple(allowed),
+                          grammar_ceilings=token_ceilings(bitmask[list(allowed)].contiguous(), vocab))
     out = Sampler()(logits, batch)
     assert torch.equal(logits[plain_rows], before)
     for row in plain_rows:
@@ -344,13 +345,13 @@ def test_grammar_mask_blocks_logits_past_the_grammar_vocabulary() -> None:
     logits = torch.zeros(1, 80)
     logits[0, 70] = 100.0  # a padding column the model happens to like
     batch = SamplingBatch([SamplingParams(temperature=0.0)], [[0]], [[]], [None], frozenset({EOS}),
-                          grammar_rows=(0,), bitmask=bitmask, grammar_vocab=64)
+                          grammar_rows=(0,), grammar_ceilings=token_ceilings(bitmask, 64))
     assert Sampler()(logits, batch).token_ids[0] < 64
 
 
-def test_grammar_rows_need_their_bitmask() -> None:
-    with pytest.raises(ValueError, match="bitmask"):
+def test_grammar_rows_need_their_ceilings() -> None:
+    with pytest.raises(ValueError, match="ceilings"):
         SamplingBatch([SamplingParams()], [[0]], [[]], [None], frozenset(), grammar_rows=(0,))
-    with pytest.raises(ValueError, match="bitmask"):
+    with pytest.raises(ValueError, match="ceilings"):
         SamplingBatch([SamplingParams()], [[0]], [[]], [None], frozenset(), grammar_rows=(0,),
-                      bitmask=allocate_bitmask(2, 64), grammar_vocab=64)
+                      grammar_ceilings=token_ceilings(allocate_bitmask(2, 64), 64))
