@@ -131,6 +131,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        await asyncio.to_thread(gw.grammars.prepare, engine.tokenizer)  # see Grammars: not on a live loop
         await gw.offload.warm()
         # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the process: frozen
         # out of the cyclic GC, a full collection walks only request objects, not a pause of tenths of a

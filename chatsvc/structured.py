@@ -10,20 +10,37 @@ cached by the spec's key, so a schema sent again is checked at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
 from chatsvc.errors import APIError
 from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
 
+log = logging.getLogger(__name__)
+
 
 class Grammars:
-    """The gateway's compiler, built from the engine's tokenizer by the first request that needs it (about a
-    second for a 49k vocabulary, on a worker thread): a gateway whose clients never ask pays nothing."""
+    """The gateway's compiler, built from the engine's tokenizer while the gateway starts (``prepare``), before
+    it serves: the build is about a second for a 49k vocabulary, nearly all of it in llguidance's Rust
+    tokenizer constructor with the GIL held, so built on a worker thread at the first grammar request it
+    still stalled the event loop, and every stream on it, for that long. A gateway that could not build it
+    (a slow tokenizer) serves every other request and builds again at the first grammar request."""
 
     def __init__(self) -> None:
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()  # one build, however many requests arrive while it runs
+
+    @property
+    def ready(self) -> bool:
+        return self._compiler is not None
+
+    def prepare(self, tokenizer: Any) -> None:
+        """Build the compiler now (a blocking call: run it on a thread)."""
+        try:
+            self._build(tokenizer)
+        except Exception as exc:  # noqa: BLE001 - only grammar requests need it; they get the error then
+            log.warning("no grammar compiler for this tokenizer (%s): structured outputs are refused", exc)
 
     async def compiler(self, tokenizer: Any) -> GrammarCompiler:
         if self._compiler is not None:

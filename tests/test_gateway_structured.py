@@ -14,8 +14,18 @@ from typing import Annotated, Any, Literal
 import httpx
 import openai
 import pytest
-from gateway_fixtures import LiveServer, default_model_path, finished_requests, redis_proc, sdk_server  # noqa: F401
+from fake_engine import fake_gateway
+from gateway_fixtures import (  # noqa: F401
+    LiveServer,
+    RedisProc,
+    default_model_path,
+    finished_requests,
+    redis_proc,
+    sdk_server,
+)
 from pydantic import BaseModel, Field
+
+from chatsvc.structured import Grammars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -300,3 +310,26 @@ def test_session_response_format_applies_to_each_turn_and_a_message_overrides(se
     r = httpx.patch(f"{sessions}/{sid}", json={"response_format": None})
     assert r.status_code == 200 and r.json()["response_format"] is None, r.text
     assert httpx.patch(f"{sessions}/{sid}", json={"persona": "other"}).status_code == 400
+
+
+def test_gateway_builds_its_grammar_compiler_before_it_serves(redis_proc: RedisProc,  # noqa: F811
+                                                              tmp_path: Path) -> None:
+    """The build holds the GIL for about a second on the real vocabulary: done at start, before any request,
+    not by the first grammar request on a live event loop."""
+    with fake_gateway(redis_proc.url, tmp_path) as live:
+        grammars = live.server.config.app.state.gateway.grammars  # type: ignore[attr-defined]
+        assert grammars.ready
+        assert httpx.post(live.url + "/v1/chat/completions", timeout=30, json={
+            "model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}}}}).status_code == 400
+
+
+def test_a_tokenizer_without_a_compiler_refuses_only_grammar_requests(caplog: pytest.LogCaptureFixture) -> None:
+    class SlowTokenizer:  # what llguidance refuses: not a fast tokenizer
+        hf = object()
+        eos_token_ids: tuple[int, ...] = ()
+
+    grammars = Grammars()
+    grammars.prepare(SlowTokenizer())
+    assert not grammars.ready and "structured outputs are refused" in caplog.text
