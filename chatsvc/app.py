@@ -24,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 import chatsvc
 from chatsvc import auth_routes, kv_routes, openai_routes, persona_routes, sessions, ws
 from chatsvc.auth import Auth, bearer
+from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
 from chatsvc.guard import RequestGuard
@@ -123,10 +124,12 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     settings = settings or Settings()
     m = Metrics(engine)
     offload = Offload(engine)
-    gw = Gateway(engine=engine, store=store, settings=settings, auth=Auth(settings.api_keys, settings.admin_keys),
-                 metrics=m, personas=Personas(engine, store, settings, offload),
-                 turns=TurnRegistry(engine, store, m, settings, offload), offload=offload,
-                 quotas=Quotas(settings, store, m, engine))
+    auth = Auth(settings.api_keys, settings.admin_keys)
+    isolation = CacheIsolation(auth)
+    gw = Gateway(engine=engine, store=store, settings=settings, auth=auth, metrics=m,
+                 personas=Personas(engine, store, settings, offload, isolation),
+                 turns=TurnRegistry(engine, store, m, settings, offload, isolation), offload=offload,
+                 quotas=Quotas(settings, store, m, engine), isolation=isolation)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

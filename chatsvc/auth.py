@@ -48,6 +48,7 @@ class Auth:
         self._owners: dict[str, str] | None = None  # key -> owner id, once the server secret is known
         self._admins: frozenset[str] = frozenset()
         self._token_key = b""  # signs access tokens; derived from the server secret
+        self._salt_key = b""  # keys the owners' prefix-cache salts; derived from the server secret
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +62,13 @@ class Auth:
         self._owners = {k: owner_id(k, secret) for k in self.api_keys}
         self._admins = frozenset(self._owners[k] for k in self.admin_keys)
         self._token_key = hmac.new(secret, b"chatsvc access tokens", hashlib.sha256).digest()
+        self._salt_key = hmac.new(secret, b"chatsvc cache salts", hashlib.sha256).digest()
+
+    def cache_salt(self, owner: str) -> str:
+        """The prefix-cache salt of ``owner`` (chatsvc.cache_isolation): keyed by the server secret, so nobody
+        can compute another owner's salt from its owner id. Without keys (one owner) the secret may be unread,
+        and an unkeyed salt is as good as any."""
+        return hmac.new(self._salt_key, owner.encode(), hashlib.sha256).hexdigest()[:32]
 
     def is_admin(self, owner: str) -> bool:
         """Without keys the one anonymous owner runs the server, so it administers it too."""

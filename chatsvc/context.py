@@ -12,6 +12,7 @@ import pydantic
 from starlette.requests import HTTPConnection, Request
 
 from chatsvc.auth import Auth
+from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.errors import APIError, from_validation_error
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
@@ -39,6 +40,7 @@ class Gateway:
     turns: TurnRegistry
     offload: Offload
     quotas: Quotas
+    isolation: CacheIsolation
     engine_ready: bool = False
     grammars: Grammars = field(default_factory=Grammars)
 

@@ -155,7 +155,7 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
     obj = "chat.completion" if chat else "text_completion"
     # A 400 before the engine sees it.
     await gw.grammars.check(gw.engine.tokenizer, req.checked_grammar(), req.grammar_param())
-    params = req.sampling_params(max_tokens, req.n, logprobs)
+    params = gw.isolation.apply(owner, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids)
     gen = Generation(gw.engine, gw.metrics, rid, params, prompt_ids, gw.settings.retry_after_s)
     # Each sequence (n samples, best_of candidates, beams) costs the engine a slot.
     lease = await gw.quotas.reserve_generation(owner, max(req.n, req.best_of or 1))

@@ -5,7 +5,11 @@ Shared personas (written by admin keys) are visible to everyone; any other key's
 (``owner:{owner}:personas`` in Redis), so names never collide across owners and an owner's persona shadows
 a shared one of the same name for that owner only. Pins may hold at most ``max_pinned_fraction`` of the
 KV pool: past it the least recently used persona is unpinned (it still works, its prefix is just not
-kept), and a persona that alone would exceed it is refused before anything is stored."""
+kept), and a persona that alone would exceed it is refused before anything is stored.
+
+A shared persona's prompt is computed and pinned without a cache salt, and every owner's requests that start
+with it share those blocks; an owner's own persona is computed and pinned under the owner's salt, so only
+that owner's requests hit it (chatsvc.cache_isolation)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import math
 from collections import OrderedDict
 from typing import Any
 
+from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.errors import APIError
 from chatsvc.offload import Offload
 from chatsvc.settings import Settings
@@ -86,8 +91,9 @@ class Personas:
     """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
     def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings,
-                 offload: Offload) -> None:
+                 offload: Offload, isolation: CacheIsolation) -> None:
         self.engine = engine
+        self.isolation = isolation
         self.store = store
         self.settings = settings
         self.offload = offload  # where a PUT's prompt is tokenized (off the event loop)
@@ -136,7 +142,7 @@ class Personas:
         # Pinned before it is stored: a prefill the engine refuses (queue full, engine down) leaves no
         # persona behind; one the store then refuses is unpinned again.
         try:
-            pinned = await self._pin(key, ids)
+            pinned = await self._pin(key, ids, None if admin else self.isolation.salt(owner))
         except QueueFullError:
             raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
@@ -148,6 +154,8 @@ class Personas:
             if isinstance(exc, PersonaLimitReached):
                 raise _persona_limit(limit) from None
             raise
+        if admin:
+            self.isolation.share(name, ids)
         return created, pinned
 
     async def delete(self, owner: str, admin: bool, name: str) -> bool:
@@ -162,6 +170,7 @@ class Personas:
             return False
         if await self.store.delete_persona(name):
             self._unpin(pin_key(name))
+            self.isolation.unshare(name)
             return True
         return False
 
@@ -181,11 +190,12 @@ class Personas:
                 ids = system_prefix_ids(self.engine.tokenizer, body["system_prompt"])
                 if len(ids) >= self.engine.max_model_len:
                     raise ValueError(f"{len(ids)} prompt tokens do not fit the context ({self.engine.max_model_len})")
+                self.isolation.share(name, ids)
                 await self._pin(pin_key(name), ids)
             except Exception as exc:  # noqa: BLE001 - whatever is wrong with one persona, the rest are pinned
                 log.error("persona %r not pinned: %s", name, exc)
 
-    async def _pin(self, key: str, ids: list[int]) -> int:
+    async def _pin(self, key: str, ids: list[int], cache_salt: str | None = None) -> int:
         self._unpin(key)
         need = self._blocks(len(ids))
         if need > self._cap_blocks():
@@ -195,7 +205,7 @@ class Personas:
             victim = next(iter(self.pinned))
             log.info("unpinning %s (least recently used) to stay under the pin cap", victim)
             self._unpin(victim)
-        n = await self.engine.pin_prefix(key, ids)
+        n = await self.engine.pin_prefix(key, ids, cache_salt)
         self.pinned[key] = n
         log.info("%s: %d prompt tokens, %d pinned", key, len(ids), n)
         return n

@@ -88,7 +88,18 @@ from engine.protocol import (
     WantSnapshot,
 )
 from engine.request import RequestLimits, SamplingParams, make_request
-from engine.streams import Beat, Deltas, Generate, Keys, decode, encode, entries, raise_if_cancelled
+from engine.streams import (
+    Beat,
+    Deltas,
+    Generate,
+    Keys,
+    decode,
+    encode,
+    entries,
+    pin_value,
+    raise_if_cancelled,
+    read_pin,
+)
 
 if TYPE_CHECKING:
     from engine.protocol import RequestDelta
@@ -228,7 +239,12 @@ class RemoteEngine(EngineClient):
             except ProtocolError as exc:
                 log.error("ignoring worker %s: its beat is malformed (%s)", wid, exc)
         self.workers = live
-        self._pins = {key: json.loads(ids_json) for key, ids_json in pins.items()}
+        self._pins = {}
+        for key, raw in pins.items():
+            try:
+                self._pins[key] = list(read_pin(raw).prompt_token_ids)
+            except ProtocolError as exc:
+                log.error("ignoring pin %s: %s", key, exc)
         if len(results) > 2:
             kv: dict[str, KVSnapshot] = {}
             for wid, raw in zip(ids, results[2], strict=False):
@@ -513,7 +529,7 @@ class RemoteEngine(EngineClient):
             await self._tell(self.r, json.loads(raw)["worker"], Abort(request_id))
 
     # -- prefixes ---------------------------------------------------------------------------------
-    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """Register a prefix; each worker pins it when it first serves a request that starts with it.
 
         Returns the tokens a worker pins: the prefix's full blocks."""
@@ -521,7 +537,7 @@ class RemoteEngine(EngineClient):
         unpinning = self._unpinning.get(key)
         if unpinning is not None:  # a re-pin (a persona changed) must land after the unpin before it
             await asyncio.gather(unpinning, return_exceptions=True)
-        await self.r.hset(self.keys.pins, key, json.dumps(ids))
+        await self.r.hset(self.keys.pins, key, pin_value(key, ids, cache_salt))
         self._pins[key] = ids
         return len(ids) // self._block_size() * self._block_size()
 

@@ -47,6 +47,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
 from chatsvc.history import fit_conversation
@@ -126,8 +127,10 @@ class ActiveTurn:
 
 class TurnRegistry:
     def __init__(self, engine: EngineClient, store: Store, metrics: Metrics, settings: Settings,
-                 offload: Offload | None = None) -> None:
+                 offload: Offload | None = None, isolation: CacheIsolation | None = None) -> None:
         self.engine = engine
+        # Salts each turn's prefix-cache hashes with its owner's salt (None: unit tests without an engine).
+        self.isolation = isolation
         # Where a turn's prompt is tokenized (its worker threads hold tokenizer copies); else a default thread.
         self.offload = offload
         self.store = store
@@ -216,6 +219,8 @@ class TurnRegistry:
         max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
                                         self.settings.default_session_max_tokens)
         params = sampling.sampling_params(max_tokens)
+        if self.isolation is not None:
+            params = self.isolation.apply(meta.owner, params, prompt_ids)
         user_msg = {**message, "created": time.time(), "tokens": content_tokens}
         try:
             turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)

@@ -42,7 +42,18 @@ from redis.exceptions import RedisError, ResponseError
 
 from engine.client import EngineClient
 from engine.protocol import SNAPSHOT_WINDOW_S, Abort, Pin, ProtocolError, RequestError, Unpin, WantSnapshot
-from engine.streams import GROUP, Beat, Deltas, Generate, Keys, decode, encode, entries, raise_if_cancelled
+from engine.streams import (
+    GROUP,
+    Beat,
+    Deltas,
+    Generate,
+    Keys,
+    decode,
+    encode,
+    entries,
+    raise_if_cancelled,
+    read_pin,
+)
 
 log = logging.getLogger("chatsvc.worker")
 
@@ -311,7 +322,7 @@ class Worker:
                 if msg.request_id in self._running:
                     self._spawn(self.engine.abort(msg.request_id))
             case Pin():
-                self._spawn(self._pin(msg.key, list(msg.prompt_token_ids), msg.call_id))
+                self._spawn(self._pin(msg.key, list(msg.prompt_token_ids), msg.call_id, msg.cache_salt))
             case Unpin():
                 self.pins.discard(msg.key)
                 self.engine.unpin_prefix(msg.key)
@@ -320,7 +331,8 @@ class Worker:
             case _:
                 raise ProtocolError(f"{type(msg).__name__} on a control stream")
 
-    async def _pin(self, key: str, token_ids: list[int] | None, reply: str | None) -> None:
+    async def _pin(self, key: str, token_ids: list[int] | None, reply: str | None,
+                   cache_salt: str | None = None) -> None:
         self._pinning.add(key)
         answer: dict[str, Any]
         try:
@@ -328,8 +340,9 @@ class Worker:
                 raw = await self.r.hget(self.keys.pins, key)
                 if raw is None:
                     return  # unpinned meanwhile
-                token_ids = [int(t) for t in json.loads(raw)]
-            answer = {"pinned": await self.engine.pin_prefix(key, token_ids)}
+                pin = read_pin(raw)
+                token_ids, cache_salt = list(pin.prompt_token_ids), pin.cache_salt
+            answer = {"pinned": await self.engine.pin_prefix(key, token_ids, cache_salt)}
             self.pins.add(key)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, if any
             log.warning("could not pin %s: %r", key, exc)

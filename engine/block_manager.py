@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from engine.block_pool import BlockPool, hash_block
-from engine.request import Sequence, SequenceGroup
+from engine.request import CacheSalt, Sequence, SequenceGroup
 
 BlockPlan = list[tuple[int, int]]
 
@@ -65,18 +65,22 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache -------------------------------------------------------------------------
-    def _full_block_hashes(self, token_ids: list[int], limit_tokens: int) -> Iterable[tuple[bytes, list[int]]]:
+    def _block_hash(self, parent: bytes | None, tokens: list[int], salt: CacheSalt, index: int) -> bytes:
+        return hash_block(parent, tokens, self.extra_key, salt.for_block(index, self.block_size))
+
+    def _full_block_hashes(self, token_ids: list[int], limit_tokens: int,
+                           salt: CacheSalt) -> Iterable[tuple[bytes, list[int]]]:
         parent: bytes | None = None
         bs = self.block_size
         for start in range(0, limit_tokens - bs + 1, bs):
             tokens = token_ids[start : start + bs]
-            parent = hash_block(parent, tokens, self.extra_key)
+            parent = self._block_hash(parent, tokens, salt, start // bs)
             yield parent, tokens
 
-    def _cached_blocks(self, token_ids: list[int], limit_tokens: int) -> list[int]:
+    def _cached_blocks(self, token_ids: list[int], limit_tokens: int, salt: CacheSalt) -> list[int]:
         """Device blocks whose cached tokens are the leading full blocks of ``token_ids[:limit_tokens]``."""
         hits: list[int] = []
-        for block_hash, tokens in self._full_block_hashes(token_ids, limit_tokens):
+        for block_hash, tokens in self._full_block_hashes(token_ids, limit_tokens, salt):
             block_id = self.device.lookup(block_hash, tokens)
             if block_id is None:
                 break
@@ -92,12 +96,12 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
-        return self._cached_blocks(seq.token_ids, seq.num_tokens - 1)
+        return self._cached_blocks(seq.token_ids, seq.num_tokens - 1, seq.cache_salt)
 
     def prefix_chain(self, seq: Sequence) -> list[tuple[bytes, tuple[int, ...]]]:
         """``(hash, tokens)`` of every full block ``lookup_prefix`` could hit, in order: the keys of the KV
         tiers under the pool (engine.kv_tiers) too."""
-        return [(h, tuple(t)) for h, t in self._full_block_hashes(seq.token_ids, seq.num_tokens - 1)]
+        return [(h, tuple(t)) for h, t in self._full_block_hashes(seq.token_ids, seq.num_tokens - 1, seq.cache_salt)]
 
     # -- allocation ---------------------------------------------------------------------------
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> int:
@@ -160,7 +164,8 @@ class BlockManager:
             self.prefix_hit_tokens += hit_tokens
             seq.num_computed_tokens = hit_tokens
             self._num_slots[seq.seq_id] = hit_tokens
-            self._hashes[seq.seq_id] = [h for h, _ in self._full_block_hashes(seq.token_ids, hit_tokens)]
+            self._hashes[seq.seq_id] = [h for h, _ in self._full_block_hashes(seq.token_ids, hit_tokens,
+                                                                              seq.cache_salt)]
         table = self._tables[seq.seq_id]
         if self._needs_cow(seq, num_new_tokens):
             idx = seq.num_computed_tokens // self.block_size
@@ -186,7 +191,7 @@ class BlockManager:
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            block_hash = hash_block(hashes[-1] if hashes else None, tokens, self.extra_key)
+            block_hash = self._block_hash(hashes[-1] if hashes else None, tokens, seq.cache_salt, i)
             hashes.append(block_hash)
             self.device.cache(table[i], block_hash, tokens)
 
@@ -293,11 +298,12 @@ class BlockManager:
         return list(mapping.items())
 
     # -- pinned prefixes ----------------------------------------------------------------------
-    def pin(self, key: str, token_ids: list[int]) -> int:
-        """Hold the cached full blocks of ``token_ids`` so they are never evicted; returns the
-        number of tokens pinned (the leading full blocks that are in the cache)."""
+    def pin(self, key: str, token_ids: list[int], salt: CacheSalt | None = None) -> int:
+        """Hold the cached full blocks of ``token_ids`` (hashed with ``salt``, as the request that computed
+        them was) so they are never evicted; returns the number of tokens pinned (the leading full blocks
+        that are in the cache)."""
         self.unpin(key)
-        blocks = self._cached_blocks(token_ids, len(token_ids))
+        blocks = self._cached_blocks(token_ids, len(token_ids), salt or CacheSalt())
         for block_id in blocks:
             self.device.incref(block_id)
         self._pins[key] = blocks

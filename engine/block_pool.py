@@ -13,12 +13,16 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes = b"",
+               salt: bytes = b"") -> bytes:
     """Collision-resistant hash of a full block chained over its parent, so equal hashes mean
-    equal prefixes (not just equal blocks)."""
+    equal prefixes (not just equal blocks). ``salt`` (a request's ``cache_salt``) goes in with its length, so
+    no salt and tokens can pass for another's; an unsalted block hashes as it always has."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent_hash or b"\x00" * 16)
     h.update(extra_key)
+    if salt:
+        h.update(b"salt" + len(salt).to_bytes(4, "big") + salt)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
 

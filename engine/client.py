@@ -200,8 +200,10 @@ class EngineClient(Protocol):
         """Abort a request; its stream ends with finish_reason "abort" and its blocks are freed."""
         ...
 
-    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
-        """Compute a prefix and pin its full blocks in the prefix cache; returns the tokens pinned."""
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Compute a prefix and pin its full blocks in the prefix cache; returns the tokens pinned. With
+        ``cache_salt`` the prefix is computed and pinned under that salt (a tenant's own persona), and only
+        requests with the same salt hit it."""
         ...
 
     def unpin_prefix(self, key: str) -> None: ...

@@ -121,7 +121,7 @@ class EngineCore:
                     self.out.replies.append(CallReply(cmd.call_id))
             case Pin():
                 try:
-                    pinned = engine.pin_prefix(cmd.key, list(cmd.prompt_token_ids))
+                    pinned = engine.pin_prefix(cmd.key, list(cmd.prompt_token_ids), cmd.cache_salt)
                     reply = CallReply(cmd.call_id or "", result=pinned)
                 except Exception as exc:  # noqa: BLE001 - reported to the caller
                     log.warning("could not pin %s: %r", cmd.key, exc)

@@ -31,7 +31,15 @@ from engine.loader import load_model
 from engine.model.linear import onednn_supports
 from engine.plan import ScheduledSeq, SchedulerOutput, TierPlan
 from engine.protocol import EngineStats, KVSnapshot, RequestDelta
-from engine.request import RequestLimits, RequestStatus, SamplingParams, Sequence, SequenceGroup, make_request
+from engine.request import (
+    CacheSalt,
+    RequestLimits,
+    RequestStatus,
+    SamplingParams,
+    Sequence,
+    SequenceGroup,
+    make_request,
+)
 from engine.runner import ModelRunner, kv_bytes_per_block, kv_pool
 from engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from engine.scheduler import PreemptionCosts, Scheduler
@@ -526,7 +534,8 @@ class LLMEngine:
         cut_reason = next((s.finish_reason for s in running if s.finish_reason), "length")
         results = []
         for i, hyp in enumerate(hyps):
-            seq = Sequence(group.prompt_token_ids + list(hyp.token_ids), group.num_prompt_tokens, index=i)
+            seq = Sequence(group.prompt_token_ids + list(hyp.token_ids), group.num_prompt_tokens, index=i,
+                           cache_salt=group.cache_salt)
             detok = self._detokenizer(seq, params)
             step = detok.step(list(hyp.token_ids))
             if not step.stopped:
@@ -616,9 +625,11 @@ class LLMEngine:
         return deltas
 
     # -- prefixes, numbers ------------------------------------------------------------------------
-    def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
-        """Pin the cached full blocks of a prefix (compute it first, e.g. with a max_tokens=1 request)."""
-        return self.block_manager.pin(key, list(prompt_token_ids))
+    def pin_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Pin the cached full blocks of a prefix (compute it first, e.g. with a max_tokens=1 request with the
+        same ``cache_salt``)."""
+        salt = CacheSalt(cache_salt.encode()) if cache_salt else CacheSalt()
+        return self.block_manager.pin(key, list(prompt_token_ids), salt)
 
     def block_size_tokens_min(self) -> int:
         """Shortest prefix that fills a block, and so the shortest worth computing to pin."""

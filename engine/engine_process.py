@@ -253,9 +253,9 @@ class ProcessEngine(CoreClient):
             if self._stopping:
                 return  # stop() sends the new child its Shutdown
             self.restarts += 1
-            for key, ids in list(self._pins.items()):
+            for key, (ids, cache_salt) in list(self._pins.items()):
                 try:
-                    await self._pin(key, ids)
+                    await self._pin(key, ids, cache_salt)
                 except EngineDeadError:
                     return  # died again: its _on_exit has started the next restart
                 except Exception:  # noqa: BLE001 - one prefix that cannot be pinned must not keep it down

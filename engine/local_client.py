@@ -58,7 +58,7 @@ class CoreClient(EngineClient):
         self._calls: dict[str, asyncio.Future[int | None]] = {}
         self._call_ids = itertools.count()
         self._pin_ids = itertools.count()
-        self._pins: dict[str, list[int]] = {}  # replayed into a replacement core
+        self._pins: dict[str, tuple[list[int], str | None]] = {}  # replayed into a replacement core
         self._loop: asyncio.AbstractEventLoop | None = None
         self._state = "loaded"  # -> running (<-> restarting: a process engine), -> failed, -> stopped
         self._install(info)
@@ -181,21 +181,21 @@ class CoreClient(EngineClient):
         await self._call(lambda call_id: Abort(request_id, call_id))
 
     # -- prefixes ---------------------------------------------------------------------------------
-    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """Compute a prefix (a persona's system prompt) and pin its full blocks; returns tokens pinned."""
         if not self.is_running:
             raise EngineDeadError(f"engine is not running ({self.state})")
         ids = list(prompt_token_ids)
-        pinned = await self._pin(key, ids)
-        self._pins[key] = ids
+        pinned = await self._pin(key, ids, cache_salt)
+        self._pins[key] = (ids, cache_salt)
         return pinned
 
-    async def _pin(self, key: str, ids: list[int]) -> int:
+    async def _pin(self, key: str, ids: list[int], cache_salt: str | None) -> int:
         if len(ids) >= self.info.block_size:
-            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, cache_salt=cache_salt)
             async for _ in self._generate(f"pin-{next(self._pin_ids)}-{key}", params, None, ids):
                 pass
-        return int(await self._call(lambda call_id: Pin(key, ids, call_id), internal=True) or 0)
+        return int(await self._call(lambda call_id: Pin(key, ids, call_id, cache_salt), internal=True) or 0)
 
     def unpin_prefix(self, key: str) -> None:
         self._pins.pop(key, None)

@@ -220,12 +220,15 @@ class Abort:
 
 @dataclass(frozen=True)
 class Pin:
-    """Pin the cached full blocks of a computed prefix under ``key``; the reply's result is the tokens pinned."""
+    """Pin the cached full blocks of a computed prefix under ``key``; the reply's result is the tokens pinned.
+    ``cache_salt``: the salt the prefix was computed with (``SamplingParams.cache_salt``), whose blocks it
+    pins; none for a prefix every tenant shares."""
 
     TYPE: ClassVar[str] = "pin"
     key: Id
     prompt_token_ids: TokenIds
     call_id: Id | None = None
+    cache_salt: Id | None = None
 
 
 @dataclass(frozen=True)

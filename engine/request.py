@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from engine.grammar import CompiledGrammar, GrammarState
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -67,6 +70,12 @@ class SamplingParams:
     # The request's true output length, for benchmarks of the paper's Orca baselines only: under
     # kv_reservation "pow2" / "oracle" admission reserves KV for it (a trace knows it; a live request does not).
     reserve_output_tokens: int | None = None
+    # Prefix-cache isolation (vLLM's ``cache_salt``): mixed into the hash of every prompt block past the first
+    # ``shared_prefix_tokens`` tokens, so only requests with the same salt hit those blocks and a hit count
+    # never tells one tenant what another sent. The leading blocks wholly inside ``shared_prefix_tokens`` (a
+    # shared persona's prompt, the same for everyone) hash without it, so every salt shares them.
+    cache_salt: str | None = None
+    shared_prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +115,12 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
             raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters")
+        if (isinstance(self.shared_prefix_tokens, bool) or not isinstance(self.shared_prefix_tokens, int)
+                or self.shared_prefix_tokens < 0):
+            raise ValueError(f"shared_prefix_tokens must be an integer >= 0, got {self.shared_prefix_tokens!r}")
         if self.reserve_output_tokens is not None and (
                 not isinstance(self.reserve_output_tokens, int) or self.reserve_output_tokens < 1
                 or (self.max_tokens is not None and self.reserve_output_tokens > self.max_tokens)):
@@ -171,14 +186,36 @@ def _grammar_spec(data: Mapping[str, Any]) -> GrammarSpec:
     return GrammarSpec(kind, schema, parallel)  # type: ignore[arg-type]  # __post_init__ checks the kind
 
 
+@dataclass(frozen=True)
+class CacheSalt:
+    """What a sequence's prefix-cache hashes mix in (``SamplingParams.cache_salt``): ``salt`` for every block
+    that reaches past the first ``shared_tokens`` tokens, nothing for the blocks wholly inside them."""
+
+    salt: bytes = b""
+    shared_tokens: int = 0
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> CacheSalt:
+        if params.cache_salt is None:
+            return cls()
+        return cls(params.cache_salt.encode(), params.shared_prefix_tokens)
+
+    def for_block(self, index: int, block_size: int) -> bytes:
+        """The salt of the ``index``-th full block: a block holding any token past the shared prefix is the
+        requester's own, and so is every block after it (the hash chain carries it on anyway)."""
+        return self.salt if (index + 1) * block_size > self.shared_tokens else b""
+
+
 _seq_counter = itertools.count()
 
 
 class Sequence:
     """One token stream. KV exists for ``token_ids[:num_computed_tokens]``."""
 
-    def __init__(self, token_ids: list[int], num_prompt_tokens: int, index: int = 0) -> None:
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int, index: int = 0,
+                 cache_salt: CacheSalt | None = None) -> None:
         self.seq_id: int = next(_seq_counter)
+        self.cache_salt = cache_salt or CacheSalt()
         self.index = index  # sample index within its group (the OpenAI ``choices[i].index``)
         self.token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
@@ -216,7 +253,7 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def fork(self, index: int) -> Sequence:
-        child = Sequence(self.token_ids, self.num_prompt_tokens, index)
+        child = Sequence(self.token_ids, self.num_prompt_tokens, index, self.cache_salt)
         child.num_computed_tokens = self.num_computed_tokens
         child.output_text = self.output_text
         child.output_logprobs = list(self.output_logprobs)
@@ -238,7 +275,8 @@ class SequenceGroup:
         self.prompt = prompt
         self.sampling_params = sampling_params
         self._prompt_token_ids = tuple(prompt_token_ids)
-        self.seqs: list[Sequence] = [Sequence(prompt_token_ids, len(prompt_token_ids))]
+        self.cache_salt = CacheSalt.of(sampling_params)
+        self.seqs: list[Sequence] = [Sequence(prompt_token_ids, len(prompt_token_ids), cache_salt=self.cache_salt)]
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission

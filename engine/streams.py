@@ -31,7 +31,8 @@ Keys (``P`` is ``chatsvc:``; ``{id}`` a worker id, unique per worker process: a 
   request, so that any gateway can abort it or, if its gateway died, take its stream over (``base``: output
   tokens streamed by earlier dispatches, before a failover; ``prompt_tokens``: the original prompt's length).
   Readers ignore fields they do not know; the last two are optional.
-* ``P pins`` (hash): pin key -> JSON token ids: the prefixes (personas) a worker pins when it serves them.
+* ``P pins`` (hash): pin key -> a ``Pin`` as JSON (its token ids and ``cache_salt``): the prefixes (personas) a
+  worker pins when it serves them (``pin_value``, ``read_pin``).
 * ``P reply:{call}`` (list, TTL): the one reply to a ``Pin`` that asked for it (RPUSH by the worker, BLPOP
   by the caller).
 
@@ -190,6 +191,16 @@ def raise_if_cancelled() -> None:
 
 
 Entry = dict[str, str]  # a stream entry's fields, as XREAD returns them (decoded to str)
+
+
+def pin_value(key: str, token_ids: list[int], cache_salt: str | None) -> str:
+    """The ``pins`` hash's value for a prefix: the ``Pin`` a worker applies when it first serves it."""
+    return dump_json(Pin(key, token_ids, None, cache_salt))
+
+
+def read_pin(raw: str | bytes) -> Pin:
+    """A ``pins`` hash value, every field checked; ``ProtocolError`` otherwise."""
+    return parse_json(Pin, raw)
 
 
 def entries(resp: list[tuple[str, list[tuple[str, Entry]]]] | None) -> list[tuple[str, Entry]]:

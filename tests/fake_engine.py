@@ -134,7 +134,7 @@ class FakeEngine(EngineClient):
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def pin_prefix(self, key: str, prompt_token_ids: list[int]) -> int:
+    async def pin_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         if self.max_running is not None and len(self.running) >= self.max_running:
             raise QueueFullError("the fake engine is full")  # a real pin is a prefill request like any other
         full = len(prompt_token_ids) // self.block_size * self.block_size

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
-from engine.request import SamplingParams, Sequence, SequenceGroup
+from engine.request import CacheSalt, SamplingParams, Sequence, SequenceGroup
 
 
 def _group(tokens: list[int], request_id: str = "r", n: int = 1) -> SequenceGroup:
@@ -603,3 +603,49 @@ def test_random_operations_keep_invariants(
     block_size: int, num_device: int, num_cpu: int, caching: bool, ops: list[tuple[int, int, int]]
 ) -> None:
     _run_ops(BlockManager(block_size, num_device, num_cpu, enable_prefix_caching=caching), ops)
+
+
+def _salted(tokens: list[int], salt: str | None, shared: int = 0, request_id: str = "r") -> Sequence:
+    params = SamplingParams(max_tokens=8, cache_salt=salt, shared_prefix_tokens=shared)
+    return SequenceGroup(request_id, tokens, params).seqs[0]
+
+
+def test_a_cache_salt_hits_only_its_own_blocks() -> None:
+    bm = BlockManager(block_size=4, num_device_blocks=16)
+    prompt = list(range(10, 23))  # 3 full blocks + 1 token
+    _compute(bm, _salted(prompt, "tenant-a", request_id="a"))
+    assert bm.lookup_prefix(_salted(prompt, "tenant-b")) == []
+    assert bm.lookup_prefix(_salted(prompt, None)) == []
+    assert len(bm.lookup_prefix(_salted(prompt, "tenant-a"))) == 3
+    # Forks (n > 1) keep the salt: their blocks are found under it.
+    seq = _salted(prompt, "tenant-a")
+    assert seq.fork(1).cache_salt == seq.cache_salt
+
+
+def test_blocks_wholly_inside_the_shared_prefix_are_shared_by_every_salt() -> None:
+    """A shared persona's prompt (here 9 tokens) hashes without the salt up to its last full block; the block
+    holding its last token and the requester's first ones is the requester's."""
+    bm = BlockManager(block_size=4, num_device_blocks=16)
+    persona = list(range(50, 59))
+    bm.pin("persona:shared", persona)  # nothing computed yet: nothing pinned
+    shared = _salted(persona + [1, 2, 3, 4, 5, 6, 7], "tenant-a", shared=len(persona), request_id="a")
+    _compute(bm, shared)
+    other = _salted(persona + [1, 2, 3, 4, 5, 6, 7], "tenant-b", shared=len(persona))
+    assert bm.lookup_prefix(other) == bm.block_table(shared)[:2]
+    # An unsalted persona prefill and pin find the same two blocks.
+    assert bm.pin("persona:shared", persona) == 8
+    assert bm.pinned_blocks()["persona:shared"] == bm.block_table(shared)[:2]
+    # A salted pin (an owner's own persona) finds only blocks computed under its salt.
+    assert bm.pin("persona:own", persona, CacheSalt(b"tenant-b")) == 0
+    own = _salted(persona + [1, 2, 3], "tenant-b", request_id="b")
+    _compute(bm, own)
+    assert bm.pin("persona:own", persona, CacheSalt(b"tenant-b")) == 8
+    assert bm.pinned_blocks()["persona:own"] == bm.block_table(own)[:2] != bm.block_table(shared)[:2]
+    bm.check_invariants()
+
+
+def test_shared_prefix_tokens_without_a_salt_change_nothing() -> None:
+    bm = BlockManager(block_size=4, num_device_blocks=16)
+    prompt = list(range(10, 23))
+    _compute(bm, _salted(prompt, None, request_id="a"))
+    assert len(bm.lookup_prefix(_salted(prompt, None, shared=4))) == 3

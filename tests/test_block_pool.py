@@ -132,3 +132,12 @@ def test_first_registration_wins_and_caching_can_be_disabled() -> None:
     assert off.lookup(h, (9,)) is None
     off.decref(c)
     assert off.num_cached_free == 0 and off.num_free == 2
+
+
+def test_a_salt_changes_the_hash_and_no_salt_keeps_it() -> None:
+    tokens = (4, 5, 6)
+    assert hash_block(None, tokens, b"", b"") == hash_block(None, tokens)  # unsalted: as it always hashed
+    salted = hash_block(None, tokens, b"", b"tenant-a")
+    assert salted not in (hash_block(None, tokens), hash_block(None, tokens, b"", b"tenant-b"))
+    # The salt goes in with its length: salt and extra key cannot pass for one another.
+    assert hash_block(None, tokens, b"x", b"y") != hash_block(None, tokens, b"xy")

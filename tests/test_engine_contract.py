@@ -252,6 +252,29 @@ async def test_pin_and_unpin_show_in_the_snapshot(transport: Transport) -> None:
     await wait_until(lambda: "persona:test" not in eng.kv_snapshot().pins, "the pin to go")
 
 
+async def test_a_salted_prefix_is_found_only_under_its_salt(transport: Transport) -> None:
+    """``cache_salt`` crosses every transport: a prefix computed and pinned under one salt is hit by requests
+    with that salt only, never by another salt or by an unsalted request (the hit count a client sees)."""
+    eng = transport.client
+    ids = eng.tokenizer.encode("The private persona of one tenant, known to nobody else. " * 3)
+    question = ids + eng.tokenizer.encode(" Hi")
+    pinned = await eng.pin_prefix("persona:own", ids, cache_salt="salt-b")
+    assert pinned == len(ids) // BLOCK * BLOCK > 0
+
+    async def cached(rid: str, salt: str | None) -> int:
+        params = dataclasses.replace(GREEDY, max_tokens=1, cache_salt=salt)
+        return (await collect(eng.generate(rid, params, prompt_token_ids=question)))[-1].cached_tokens
+
+    assert await cached("owner-1", "salt-b") >= (0 if isinstance(transport, RedisTransport) else pinned)
+    await wait_until(lambda: len(eng.kv_snapshot().pins.get("persona:own", [])) == pinned // BLOCK,
+                     "the salted pin in the snapshot")
+    assert await cached("other", "salt-a") == 0
+    assert await cached("unsalted", None) == 0
+    assert await cached("owner-2", "salt-b") >= pinned
+    eng.unpin_prefix("persona:own")
+    await wait_until(lambda: "persona:own" not in eng.kv_snapshot().pins, "the pin to go")
+
+
 async def test_stats_are_typed_and_follow_the_load(transport: Transport) -> None:
     eng = transport.client
     await wait_until(lambda: eng.stats().kv_blocks_total == 64, "the pool size in the stats")

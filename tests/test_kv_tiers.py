@@ -18,15 +18,16 @@ from engine.engine import LLMEngine
 from engine.kv_disk import SUFFIX
 from engine.kv_tiers import KVTiers
 from engine.llm import LLM
-from engine.request import SamplingParams, Sequence
+from engine.request import CacheSalt, SamplingParams, Sequence
 
 # ---- the accounting ---------------------------------------------------------------------------------
 
 
-def _evict_a_then_return(bm: BlockManager, tiers: KVTiers) -> tuple[Sequence, list[tuple[int, int]]]:
-    """Compute a 3-block prompt, push it out of the 6-block pool with another prompt, and return
-    (the returning sequence, the offloads of the first prompt's blocks)."""
-    first = Sequence(list(range(100, 113)), 13)
+def _evict_a_then_return(bm: BlockManager, tiers: KVTiers,
+                         salt: CacheSalt | None = None) -> tuple[Sequence, list[tuple[int, int]]]:
+    """Compute a 3-block prompt (under ``salt``), push it out of the 6-block pool with another prompt, and
+    return (the returning sequence, the offloads of the first prompt's blocks)."""
+    first = Sequence(list(range(100, 113)), 13, cache_salt=salt)
     tiers.begin_step()
     bm.allocate_slots(first, 13)
     bm.free(first)
@@ -76,17 +77,27 @@ def test_restore_needs_room_for_the_whole_sequence() -> None:
     bm.check_invariants()
 
 
-def test_a_different_extra_key_never_hits_another_keys_blocks() -> None:
-    bm = BlockManager(4, 6, extra_key=b"tenant-a")
+def test_another_requests_cache_salt_never_hits_the_host_tier() -> None:
+    """The host tier is keyed by the salted hash chain: a tenant's offloaded blocks come back for a request
+    with its salt, never for another tenant's request with the same tokens (nor for an unsalted one)."""
+    bm = BlockManager(4, 6, extra_key=b"model")
     tiers = KVTiers(bm, 8)
-    again, offloads = _evict_a_then_return(bm, tiers)
-    assert offloads
-    bm.extra_key = b"tenant-b"  # same tokens, another salt: another chain of hashes
+    _, offloads = _evict_a_then_return(bm, tiers, CacheSalt(b"tenant-a"))
+    assert len(offloads) == 3
+    for other in (CacheSalt(b"tenant-b"), CacheSalt()):
+        again = Sequence(list(range(100, 116)), 16, cache_salt=other)
+        tiers.begin_step()
+        tiers.restore(again)
+        assert bm.lookup_prefix(again) == []
+        tiers.release_admission()
+        assert tiers.finish_plan().load == () and tiers.counters.host_hit_blocks == 0
+    own = Sequence(list(range(100, 116)), 16, cache_salt=CacheSalt(b"tenant-a"))
     tiers.begin_step()
-    tiers.restore(again)
-    assert bm.lookup_prefix(again) == []
+    tiers.restore(own)
+    assert len(bm.lookup_prefix(own)) == 3
     tiers.release_admission()
-    assert tiers.finish_plan().load == () and tiers.counters.host_hit_blocks == 0
+    tiers.finish_plan()
+    assert tiers.counters.host_hit_blocks == 3
 
 
 def test_host_evictions_spill_to_disk_only_once(tmp_path: Path) -> None:

@@ -39,8 +39,9 @@ def through_json(data: object) -> object:
 def test_commands_round_trip_through_json() -> None:
     params = SamplingParams(temperature=0.5, seed=7, stop=["\n"], max_tokens=9, logprobs=2)
     for cmd in (AddRequest("r", params, [1, 2, 3], "hi", 12.5), AddRequest("r2", SamplingParams(), [4]),
+                AddRequest("r3", SamplingParams(cache_salt="a1b2", shared_prefix_tokens=32), [4]),
                 Abort("r"), Abort("r", "c1"), Pin("persona:x", [5, 6], "c2"), Pin("k", []), Unpin("k"),
-                WantSnapshot(), Shutdown()):
+                Pin("persona:o:x", [5, 6], None, "a1b2"), WantSnapshot(), Shutdown()):
         assert decode_command(through_json(encode_command(cmd))) == cmd
 
 
@@ -61,6 +62,13 @@ def test_a_delta_round_trips_with_integer_token_ids_in_its_logprobs() -> None:
     {"type": "add", "request_id": "r", "params": {"temperature": -1}, "prompt_token_ids": [1]},
     {"type": "add", "request_id": "r", "params": {"logit_bias": {"1": 2}}, "prompt_token_ids": [1]},
     {"type": "add", "request_id": "r", "params": [], "prompt_token_ids": [1]},
+    {"type": "add", "request_id": "r", "params": {"cache_salt": 5}, "prompt_token_ids": [1]},
+    {"type": "add", "request_id": "r", "params": {"cache_salt": ""}, "prompt_token_ids": [1]},
+    {"type": "add", "request_id": "r", "params": {"cache_salt": "s" * 300}, "prompt_token_ids": [1]},
+    {"type": "add", "request_id": "r", "params": {"shared_prefix_tokens": -1}, "prompt_token_ids": [1]},
+    {"type": "add", "request_id": "r", "params": {"shared_prefix_tokens": True}, "prompt_token_ids": [1]},
+    {"type": "pin", "key": "k", "prompt_token_ids": [1], "cache_salt": 7},
+    {"type": "pin", "key": "k", "prompt_token_ids": [1], "cache_salt": "s" * 300},
     {"type": "add", "request_id": "r", "params": {}, "prompt_token_ids": [1], "arrival_time": float("nan")},
 ])
 def test_malformed_commands_are_protocol_errors(data: object) -> None:

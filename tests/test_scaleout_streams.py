@@ -19,7 +19,7 @@ from engine.protocol import (
     WantSnapshot,
 )
 from engine.request import SamplingParams
-from engine.streams import VERSION, Beat, Deltas, Generate, Keys, decode, encode
+from engine.streams import VERSION, Beat, Deltas, Generate, Keys, decode, encode, pin_value, read_pin
 
 
 def test_every_message_round_trips() -> None:
@@ -87,3 +87,14 @@ def test_a_malformed_generate_entry_is_a_protocol_error(data: object) -> None:
 def test_a_malformed_or_misplaced_entry_is_a_protocol_error(kind: str, data: object) -> None:
     with pytest.raises(ProtocolError):
         decode({"v": str(VERSION), "type": kind, "data": json.dumps(data)})
+
+
+def test_a_pin_value_carries_its_salt_and_a_bad_one_is_refused() -> None:
+    """The ``pins`` hash holds what a worker pins, salt included: an owner's persona is pinned under the
+    owner's salt on whichever worker first serves it."""
+    pin = read_pin(pin_value("persona:o:x", [1, 2, 3], "a1b2"))
+    assert (pin.key, pin.prompt_token_ids, pin.cache_salt) == ("persona:o:x", [1, 2, 3], "a1b2")
+    assert read_pin(pin_value("persona:x", [4], None)).cache_salt is None
+    for raw in ("[1, 2, 3]", '{"key": "k", "prompt_token_ids": [-1]}', "not json"):
+        with pytest.raises(ProtocolError):
+            read_pin(raw)
