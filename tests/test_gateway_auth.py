@@ -122,3 +122,15 @@ def test_access_tokens_name_their_owner_expire_and_cannot_be_forged() -> None:
     with pytest.raises(APIError) as e:
         fewer.check_token(token, now=1000.0)
     assert "no longer accepted" in e.value.message
+
+
+def test_cache_salts_differ_per_owner_and_cannot_be_computed_from_the_owner_id() -> None:
+    auth, other = Auth(("a", "b")), Auth(("a", "b"))
+    auth.set_secret(b"s" * 32)
+    other.set_secret(b"t" * 32)
+    a, b = (auth.check_key(k) for k in ("a", "b"))
+    assert auth.cache_salt(a) == auth.cache_salt(a) != auth.cache_salt(b)
+    assert a not in auth.cache_salt(a)
+    # Keyed by the server secret (a key derived from it, not the owner ids' key): another secret, other salts.
+    assert other.cache_salt(a) != auth.cache_salt(a)
+    assert auth.cache_salt(a) != owner_id(a, b"s" * 32)[1:]
