@@ -96,7 +96,7 @@ def test_prefix_hit_verifies_tokens_when_digests_collide(monkeypatch: pytest.Mon
     import engine.block_manager as bm_module
 
     # A hash that collides for every block: the pool must still refuse blocks with other tokens.
-    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, extra=b"": b"\x00" * 16)
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, extra=b"", salt=b"": b"\x00" * 16)
     bm = BlockManager(block_size=2, num_device_blocks=8)
     _compute(bm, _group([1, 2, 3], "a").seqs[0])
     assert bm.lookup_prefix(_group([7, 8, 3], "b").seqs[0]) == []
