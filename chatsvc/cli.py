@@ -170,6 +170,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from chatsvc.app import create_app
+    from chatsvc.http_timeouts import read_deadline_protocol
     from chatsvc.redis_server import EmbeddedRedis
     from chatsvc.store import Store
 
@@ -207,8 +208,9 @@ def serve(args: argparse.Namespace) -> int:
         log.info("listening on http://%s:%d", args.host, args.port)
         # uvloop and httptools: every streamed token passes the loop and the HTTP writer once, and the
         # gateway's CPU time is taken from the engine's cores (see README, "Where serving loses to offline").
+        http = read_deadline_protocol(args.http, settings.header_timeout_s, settings.body_timeout_s)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                loop=args.loop, http=args.http,
+                                loop=args.loop, http=http,
                                 ws_max_size=4 * settings.max_ws_frame_bytes, timeout_graceful_shutdown=5)
         uvicorn.Server(config).run()  # on the loop that config.loop names
         return 0

@@ -110,6 +110,12 @@ class Settings:
     # An SSE send that does not complete in this long (a reader whose TCP window stays full) ends the
     # stream: its generation is aborted, or its session turn loses a reader (grace/abort rules).
     sse_send_timeout_s: float = 30.0
+    # A client has this long to send a request's headers (from its connection, or a kept-alive connection's
+    # next first byte), then this long for its body (chatsvc.http_timeouts): 408 and close past either.
+    header_timeout_s: float = _flag(10.0, "--header-timeout",
+                                    "seconds a client may take to send a request's headers (408 and close past it)")
+    body_timeout_s: float = _flag(60.0, "--body-timeout",
+                                  "seconds a client may take to send a request's body once its headers are in")
 
 
 def flag_fields() -> tuple[dataclasses.Field[Any], ...]:

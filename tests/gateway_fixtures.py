@@ -71,7 +71,7 @@ def redis_url(redis_proc: RedisProc) -> str:
 class LiveServer:
     """The gateway app served by uvicorn on a free port in a background thread (its own event loop)."""
 
-    def __init__(self, app: object, ws_max_size: int = 1 << 20) -> None:
+    def __init__(self, app: object, ws_max_size: int = 1 << 20, http: object = "auto") -> None:
         import threading
 
         import uvicorn
@@ -80,7 +80,8 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",  # type: ignore[arg-type]
-                                ws_max_size=ws_max_size, timeout_graceful_shutdown=5, lifespan="on")
+                                ws_max_size=ws_max_size, timeout_graceful_shutdown=5, lifespan="on",
+                                http=http)  # type: ignore[arg-type]
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 
