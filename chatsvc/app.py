@@ -45,7 +45,7 @@ ENGINE_RETRY_AFTER_S = 5  # what a 503 for an unavailable engine tells clients t
 
 
 async def health(request: Request) -> JSONResponse:
-    return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "draining" if gateway(request).draining else "ok"})
 
 
 def engine_problem(gw: Gateway) -> str | None:
@@ -63,9 +63,10 @@ async def ready(request: Request) -> JSONResponse:
     gw = gateway(request)
     redis_ok = await gw.store.ping()
     problem = engine_problem(gw)
-    ok = problem is None and redis_ok
+    ok = problem is None and redis_ok and not gw.draining
     body: dict[str, Any] = {"ready": ok, "engine": problem is None, "redis": redis_ok}
-    reasons = [r for r in (problem, None if redis_ok else "redis unreachable") if r]
+    reasons = [r for r in (problem, None if redis_ok else "redis unreachable", "draining" if gw.draining else None)
+               if r]
     if reasons:
         body["reason"] = "; ".join(reasons)
     headers = {} if ok else {"Retry-After": str(ENGINE_RETRY_AFTER_S)}

@@ -170,6 +170,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from chatsvc.app import create_app
+    from chatsvc.drain import DrainingServer
     from chatsvc.http_timeouts import read_deadline_protocol
     from chatsvc.redis_server import EmbeddedRedis
     from chatsvc.store import Store
@@ -212,7 +213,7 @@ def serve(args: argparse.Namespace) -> int:
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                 loop=args.loop, http=http,
                                 ws_max_size=4 * settings.max_ws_frame_bytes, timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run()  # on the loop that config.loop names
+        DrainingServer(config, app.state.gateway, settings.drain_timeout_s).run()  # on the loop config.loop names
         return 0
     except _Stop:
         return 0

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from chatsvc.turns import TurnRegistry
 
 M = TypeVar("M", bound=pydantic.BaseModel)
+DRAIN_RETRY_AFTER_S = 1  # a draining gateway's 503: another instance (or this one's successor) serves it now
 
 
 @dataclass
@@ -42,7 +43,19 @@ class Gateway:
     quotas: Quotas
     isolation: CacheIsolation
     engine_ready: bool = False
+    # SIGTERM received (chatsvc.drain): in-flight turns finish, new ones are refused with 503.
+    draining: bool = False
     grammars: Grammars = field(default_factory=Grammars)
+
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise APIError(503, "this server is shutting down; retry on another instance", code="draining",
+                           headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+
+    @property
+    def idle(self) -> bool:
+        """No turn and no other engine request in flight here: a draining gateway may exit."""
+        return not self.turns.active and self.metrics.generations_in_flight == 0
 
     def check_model(self, model: str | None) -> str:
         if model is None or model == self.engine.model_name:

@@ -29,8 +29,10 @@ class Generation:
         self.timer = RequestTimer(metrics)
         self.reason_counts: Counter[str] = Counter()
         self.started = False  # the engine admitted the request
+        self._counted = False  # in ``metrics.generations_in_flight``, until closed
 
     async def start(self) -> None:
+        self._count(True)
         try:
             self._it = aiter(self.engine.generate(self.request_id, self.params,
                                                   prompt_token_ids=self.prompt_token_ids, session_id=self.session_id))
@@ -49,11 +51,19 @@ class Generation:
 
     async def close(self) -> None:
         """Abort the request if it is still running (idempotent)."""
+        self._count(False)
         it, self._it = self._it, None
         # EngineClient.generate promises an AsyncIterator; every engine returns an async generator.
         aclose = getattr(it, "aclose", None)
         if aclose is not None:
             await aclose()
+
+    def _count(self, running: bool) -> None:
+        if running != self._counted:
+            self._counted = running
+            step = 1 if running else -1
+            self.timer.metrics.generations_in_flight += step
+            self.timer.metrics.generations.inc(step)
 
     async def deltas(self) -> AsyncIterator[RequestDelta]:
         """All deltas; leaving the loop early (break, cancellation, error) aborts the request."""

@@ -116,6 +116,9 @@ class Metrics:
                              registry=r, buckets=_LATENCY_BUCKETS)
         self.finished = Counter("chatsvc_requests_finished", "Finished requests by reason", ["reason"], registry=r)
         self.open_streams = Gauge("chatsvc_open_streams", "Open client streams", ["transport"], registry=r)
+        # Engine requests this gateway has started and not yet closed: a draining gateway waits for 0.
+        self.generations = Gauge("chatsvc_generations_in_flight", "Engine requests this gateway relays", registry=r)
+        self.generations_in_flight = 0
         # Label children resolved once: streams open and close often.
         self.open_sse = self.open_streams.labels("sse")
         self.open_ws = self.open_streams.labels("ws")

@@ -153,6 +153,7 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
     chat = isinstance(req, ChatCompletionRequest)
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     obj = "chat.completion" if chat else "text_completion"
+    gw.refuse_if_draining()
     # A 400 before the engine sees it.
     await gw.grammars.check(gw.engine.tokenizer, req.checked_grammar(), req.grammar_param())
     params = gw.isolation.apply(owner, req.sampling_params(max_tokens, req.n, logprobs), prompt_ids)

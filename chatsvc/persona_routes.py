@@ -43,6 +43,7 @@ async def persona(request: Request) -> Response:
             raise APIError(404, f"persona {name!r} not found", code="persona_not_found")
         return JSONResponse({"name": name, "deleted": True})
     req = parse(PersonaBody, await read_json(request, gw.settings.max_body_bytes))
+    gw.refuse_if_draining()
     # Its prefill is a generation like any other: it counts against the key's quota while it runs.
     lease = await gw.quotas.reserve_generation(owner)
     try:

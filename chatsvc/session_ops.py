@@ -109,6 +109,7 @@ class ReplyReader:
 
 async def send_message(gw: Gateway, meta: SessionMeta, req: SessionMessage) -> ReplyReader:
     """Store the user's message and start the reply; the caller reads it from the start."""
+    gw.refuse_if_draining()
     # The session's response_format, unless the message has its own or calls tools.
     if req.response_format is None and meta.response_format and not req.calls_tools():
         req = req.model_copy(update={"response_format": ResponseFormat.model_validate_json(meta.response_format)})

@@ -116,6 +116,10 @@ class Settings:
                                     "seconds a client may take to send a request's headers (408 and close past it)")
     body_timeout_s: float = _flag(60.0, "--body-timeout",
                                   "seconds a client may take to send a request's body once its headers are in")
+    # On SIGTERM, how long in-flight turns may take to finish while new ones get 503 (chatsvc.drain).
+    drain_timeout_s: float = _flag(30.0, "--drain-timeout",
+                                   "on SIGTERM, seconds in-flight turns may take to finish before the gateway exits "
+                                   "(new ones get 503 meanwhile; 0: exit at once)")
 
 
 def flag_fields() -> tuple[dataclasses.Field[Any], ...]:

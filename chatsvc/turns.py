@@ -110,6 +110,7 @@ class ActiveTurn:
     # A task cancelled before its first step never runs its cleanup, so aborts before that set a flag.
     running: bool = False
     abort_requested: bool = False
+    interrupted: bool = False  # ended by the gateway's shutdown, not by a client: stored as "interrupted"
     # Stored events in stream order, (stream id, event, its JSON): what local readers follow.
     log: list[tuple[str, dict[str, Any], str]] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # set (and replaced) as the log grows
@@ -297,6 +298,8 @@ class TurnRegistry:
         finally:
             if close is not None:
                 await close()
+        if at.interrupted and reason == "abort":
+            reason = "interrupted"
         await self._store_reply(at, key, parts, reason, last, prompt_len)
 
     async def _store_reply(self, at: ActiveTurn, key: str, parts: list[str], reason: str, last: RequestDelta | None,
@@ -525,6 +528,7 @@ class TurnRegistry:
     async def shutdown(self) -> None:
         tasks = [at.task for at in self.active.values() if at.task is not None]
         for at in list(self.active.values()):
+            at.interrupted = True  # what a drain did not finish in time, or a shutdown without one
             self._abort(at)
         await asyncio.gather(*tasks, return_exceptions=True)
         background = [t for t in (self._listener, self._keepalive) if t is not None]
