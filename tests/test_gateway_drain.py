@@ -1,7 +1,7 @@
 """SIGTERM drains a real ``chatsvc serve`` process: a reply in flight finishes and is stored once, a new turn
 meanwhile gets 503 with Retry-After, /health says draining, a reply still running at ``--drain-timeout`` is
 stored once as interrupted, and the process exits 0. The tiny model (as the other process fault tests): the
-drain is the gateway's and the same for any model, and the default model takes minutes to start here."""
+drain is the gateway's and the same for any model, and the tiny one starts in seconds."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from timing import scaled
 
 from chatsvc.store.keys import messages_key
 
-# long: it starts a `chatsvc serve` process (its engine loads torch and the model), minutes on a loaded machine.
-pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(400),
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400),
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 DRAIN_S = 3.0  # on the reference machine: the short reply finishes well inside it, the long one cannot
 LONG = 3500  # tokens: still running when the drain times out
