@@ -121,6 +121,9 @@ class FakeEngine:
     def unpin_prefix(self, key: str) -> None:
         return None
 
+    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+        return None
+
     def stats(self) -> EngineStats:
         from engine.protocol import EngineStats
 

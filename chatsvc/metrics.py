@@ -60,6 +60,8 @@ class EngineCollector(Collector):
             "kv_disk_write_failures": ("Disk-tier writes that failed (disk full)", s.kv_disk_write_failures),
             "kv_disk_load_seconds": ("Disk read start to host-tier install, summed over kv_disk_hit_blocks",
                                      s.kv_disk_load_seconds),
+            "kv_warm_loaded_blocks": ("Host-tier blocks a session warm copied into the pool", s.kv_warm_loaded_blocks),
+            "kv_warm_read_blocks": ("Disk-tier blocks a session warm started reading", s.kv_warm_read_blocks),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"chatsvc_{name}", doc, value=float(value))

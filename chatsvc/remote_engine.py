@@ -86,6 +86,7 @@ from engine.protocol import (
     StreamOverflowError,
     Unpin,
     WantSnapshot,
+    Warm,
 )
 from engine.request import RequestLimits, SamplingParams, make_request
 from engine.streams import (
@@ -117,7 +118,11 @@ ROUTE_TTL_S = 24 * 3600
 # The counters that add up over workers; the others (estimates, thread counts) are per engine.
 _SUMMED = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "cpu_blocks_total", "cpu_blocks_free",
            "requests_running", "requests_waiting", "requests_swapped", "prefix_cache_queried_tokens",
-           "prefix_cache_hit_tokens", "preemptions_swap", "preemptions_recompute", "max_waiting")
+           "prefix_cache_hit_tokens", "preemptions_swap", "preemptions_recompute", "max_waiting",
+           "kv_host_blocks_total", "kv_host_blocks_cached", "kv_host_bytes", "kv_host_hit_blocks",
+           "kv_host_offloaded_blocks", "kv_disk_blocks", "kv_disk_bytes", "kv_disk_hit_blocks",
+           "kv_disk_spilled_blocks", "kv_disk_failed_loads", "kv_disk_dropped_files", "kv_disk_write_failures",
+           "kv_disk_load_seconds", "kv_warm_loaded_blocks", "kv_warm_read_blocks")
 
 
 class WorkerLost(Exception):
@@ -588,6 +593,18 @@ class RemoteEngine(EngineClient):
             cpu_used += snap.cpu_used
         return dataclasses.replace(merged, num_blocks=offset, cpu_used=cpu_used)
 
+    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+        """Sent to the worker the session's last turn ran on (``key`` is the session id), which the router
+        prefers for its next turn; a session with no live worker on record has nothing to warm."""
+        async def send() -> None:
+            worker = await self.r.get(self.keys.session(key))
+            if worker is not None:
+                worker = worker.decode() if isinstance(worker, bytes) else str(worker)
+            if worker in self.workers:
+                await self._tell(self.r, worker, Warm(key, list(prompt_token_ids)))
+
+        self._spawn(send())
+
     def _tell_workers(self, msg: Unpin | WantSnapshot, first: Callable[[Any], object] = lambda pipe: None,
                       ) -> asyncio.Task[Any]:
         """Send ``msg`` to every live worker's control stream, in one pipeline after ``first(pipe)``."""
@@ -602,7 +619,7 @@ class RemoteEngine(EngineClient):
 
         return self._spawn(send())
 
-    def _tell(self, target: Any, worker: str, msg: Abort | Unpin | WantSnapshot) -> Any:
+    def _tell(self, target: Any, worker: str, msg: Abort | Unpin | Warm | WantSnapshot) -> Any:
         """Append ``msg`` to ``worker``'s control stream (on ``target``: the connection or a pipeline). The
         stream is trimmed to about ``control_maxlen`` entries: a worker acts on each as it reads it, so only
         entries long read (or a dead worker's) are dropped, and the stream never grows without bound."""

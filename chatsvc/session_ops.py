@@ -36,6 +36,13 @@ async def load_session(gw: Gateway, sid: str, owner: str) -> SessionMeta:
     return meta
 
 
+def warm_session(gw: Gateway, meta: SessionMeta) -> None:
+    """A client opened the session: its next message is likely, so the engine may bring the history's KV
+    blocks up its tiers meanwhile (chatsvc.warm). Not while a reply is generated: those blocks are in use."""
+    if meta.id not in gw.turns.active:
+        gw.turns.warmer.warm(meta)
+
+
 async def create_session(gw: Gateway, owner: str, persona: str | None, title: str | None = None,
                          settings: SessionCreate | None = None) -> SessionMeta:
     """``settings``: a create request's other fields (its ``response_format``, compiled here: a 400 before

@@ -43,6 +43,8 @@ async def session(request: Request) -> JSONResponse:
     if request.method == "PATCH":
         meta = await ops.update_session(gw, meta, parse(SessionUpdate, await read_json(request,
                                                                                     gw.settings.max_body_bytes)))
+    else:
+        ops.warm_session(gw, meta)
     return JSONResponse(await ops.session_view(gw, meta))
 
 

@@ -121,12 +121,14 @@ def prompt_messages(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mappi
 
 
 def chat_prompt_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
-                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+                    tools: Sequence[Mapping[str, Any]] | None = None, add_generation_prompt: bool = True
+                    ) -> list[int]:
     """The prompt of a conversation in OpenAI's messages, with ``tools`` shown to the model (None: none),
-    through the tokenizer's template (its tool syntax where it has one, the fallback text otherwise)."""
+    through the tokenizer's template (its tool syntax where it has one, the fallback text otherwise);
+    without ``add_generation_prompt``, the history the next message's prompt starts with."""
     rendered, shown = prompt_messages(messages, tools, template_takes_tools(getattr(tokenizer, "hf", None)))
     extra = {"tools": shown} if shown else {}  # a template without tool syntax is called as before
-    return list(tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **extra))
+    return list(tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, **extra))
 
 
 def prompt_chars(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> int:

@@ -60,6 +60,7 @@ from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.store.keys import stream_key
 from chatsvc.store.streams import settle
 from chatsvc.tools import parse_reply, unknown_tool_results
+from chatsvc.warm import SessionWarmer
 from chatsvc.wire import delta_event
 from engine.client import Adoptable, EngineClient
 from engine.protocol import RequestDelta
@@ -138,6 +139,7 @@ class TurnRegistry:
         self.metrics = metrics
         self.settings = settings
         self.active: dict[str, ActiveTurn] = {}
+        self.warmer = SessionWarmer(engine, store, offload)
         self.writer = EventWriter(store)
         self.store_retry_s = STORE_RETRY_S
         self._keepalive: asyncio.Task[None] | None = None

@@ -5,7 +5,7 @@ Four tasks share the worker's event loop:
 * requests: XREADGROUP on its own request stream; each ``Generate`` becomes ``engine.generate`` and a task
   that hands the request's deltas to the writer; when the request ends its entry is XACKed and deleted.
 * control: XREAD on its control stream: ``Abort`` (``engine.abort``), ``Pin``/``Unpin`` (``pin_prefix``,
-  ``unpin_prefix``), ``WantSnapshot``.
+  ``unpin_prefix``), ``Warm`` (``warm_prefix``), ``WantSnapshot``.
 * writer: every delta handed in since its last write goes out in ONE pipelined round trip, one stream
   entry per request; the deltas of one engine step reach the relays together, so a step costs one hop.
 * heartbeat: every ``ttl/4`` seconds the ``Beat`` (load: free blocks, running/waiting/swapped, pinned
@@ -41,7 +41,16 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from engine.client import EngineClient
-from engine.protocol import SNAPSHOT_WINDOW_S, Abort, Pin, ProtocolError, RequestError, Unpin, WantSnapshot
+from engine.protocol import (
+    SNAPSHOT_WINDOW_S,
+    Abort,
+    Pin,
+    ProtocolError,
+    RequestError,
+    Unpin,
+    WantSnapshot,
+    Warm,
+)
 from engine.streams import (
     GROUP,
     Beat,
@@ -326,6 +335,8 @@ class Worker:
             case Unpin():
                 self.pins.discard(msg.key)
                 self.engine.unpin_prefix(msg.key)
+            case Warm():
+                self.engine.warm_prefix(msg.key, list(msg.prompt_token_ids))
             case WantSnapshot():
                 self._kv_until = time.monotonic() + SNAPSHOT_WINDOW_S
             case _:

@@ -92,6 +92,8 @@ class Connection:
         settings = None if sid else parse(SessionCreate, {k: frame[k] for k in ("response_format",) if k in frame})
         meta = await (ops.load_session(self.gw, sid, self.owner) if sid
                       else ops.create_session(self.gw, self.owner, persona, settings=settings))
+        if sid:
+            ops.warm_session(self.gw, meta)
         self._stop_pump(abort_now=False)
         self.meta = meta
         await self.send({"type": "session", **await ops.session_view(self.gw, meta)})

@@ -208,6 +208,11 @@ class EngineClient(Protocol):
 
     def unpin_prefix(self, key: str) -> None: ...
 
+    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+        """Ask the engine to bring a conversation's history (the prompt its next message extends) up its KV
+        tiers ahead of that message; ``key`` names the session. Best effort: nothing waits or fails on it."""
+        ...
+
     def stats(self) -> EngineStats:
         """The engine's latest counters (scheduler and block pool); never blocks."""
         ...

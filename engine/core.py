@@ -33,6 +33,7 @@ from engine.protocol import (
     StepOutput,
     Unpin,
     WantSnapshot,
+    Warm,
 )
 from engine.request import SequenceGroup
 from kernels.runtime import describe_runtime
@@ -130,6 +131,11 @@ class EngineCore:
                     self.out.replies.append(reply)
             case Unpin():
                 engine.unpin_prefix(cmd.key)
+            case Warm():
+                try:
+                    engine.warm_prefix(cmd.key, list(cmd.prompt_token_ids))
+                except Exception as exc:  # noqa: BLE001 - a warm is a hint: its failure costs a recompute only
+                    log.warning("could not warm %s: %r", cmd.key, exc)
             case WantSnapshot():
                 self.snapshot_until = time.monotonic() + SNAPSHOT_WINDOW_S
                 self.snapshot_now = True

@@ -251,7 +251,8 @@ class LLMEngine:
         return [] if group is None else self._finish_request(group)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests to run, or disk reads (a warm's) to install: both need steps."""
+        return self.scheduler.has_unfinished() or (self.tiers is not None and self.tiers.reading)
 
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -637,6 +638,18 @@ class LLMEngine:
 
     def unpin_prefix(self, key: str) -> None:
         self.block_manager.unpin(key)
+
+    def warm_prefix(self, key: str, history_token_ids: list[int]) -> int:
+        """Bring a conversation's history up the KV tiers before its next message (best effort, bounded:
+        engine.kv_tiers ``warm``); the blocks it loaded or started reading. Called between steps (the core
+        applies commands there): the host to device copies run now, the disk reads on the disk tier's
+        reader thread, installed by the steps that follow."""
+        if self.tiers is None or self.tier_io is None:
+            return 0
+        plan = self.tiers.warm(key, self.block_manager.history_chain(list(history_token_ids)))
+        self.tier_io.spill(plan.spill)  # before the offloads overwrite those host blocks, as in a step
+        self.runner.execute_block_plans(SchedulerOutput(tiers=plan))
+        return len(plan.load) + len(self.tiers.warm_reads(key))
 
     def stats(self) -> EngineStats:
         """Counters only: cheap enough to publish after every step."""

@@ -12,6 +12,9 @@ lookup finds them, always as plans the engine executes on tensors (``engine.plan
 * Blocks that continue the prompt on disk are read by the disk tier's reader thread while the request waits
   aside (others pass it); once read they are installed in the host tier and the request is admitted again.
   The step never waits on the disk.
+* A warm (a client opened a conversation; its next message is likely) does the same ahead of any request:
+  disk blocks are read into the host tier, and host blocks go to device blocks nobody holds a hash in, so a
+  warm evicts nothing from the pool and never holds a block a request could need.
 
 A block a plan reads or writes in the host tier is held (a reference) until the next plan is made, so no
 later decision in the same step reuses it before the engine has executed the copies.
@@ -40,6 +43,8 @@ class TierCounters:
     disk_spilled_blocks: int = 0  # host evictions handed to the disk tier
     disk_failed_loads: int = 0  # reads that found no valid file (gone, corrupt, foreign): recomputed
     disk_load_seconds: float = 0.0  # read start to install, summed over disk_hit_blocks
+    warm_loaded_blocks: int = 0  # host blocks a warm copied into the device pool
+    warm_read_blocks: int = 0  # disk blocks a warm started reading into the host tier
 
 
 @dataclass
@@ -73,6 +78,7 @@ class KVTiers:
         self._reads: dict[bytes, _Read] = {}
         self._waiting_on: dict[str, set[bytes]] = {}
         self._tried_disk: set[str] = set()
+        self._warming: dict[str, set[bytes]] = {}  # warm key -> the disk reads it started
 
     # -- the plan ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -157,6 +163,58 @@ class KVTiers:
         self.counters.disk_spilled_blocks += len(spills)
         return tuple(spills)
 
+    # -- warm on intent -------------------------------------------------------------------------------
+    def warm(self, key: str, chain: list[tuple[bytes, tuple[int, ...]]]) -> TierPlan:
+        """Bring the blocks of ``chain`` (a history, ``BlockManager.history_chain``) up one tier, as a plan the
+        engine runs before its next step: host blocks are loaded into free device blocks (never more than half
+        of the free ones, so a warm never takes a running request's room, and only free blocks: nothing
+        pinned or in use is evicted; the cached ones it evicts are offloaded first, as a step's are); the
+        blocks that continue on disk are read into the host tier by the reader thread (at most
+        ``max_read_blocks``). One warm per ``key`` at a time: while its reads are in flight, another warm of
+        the key does nothing."""
+        self._warming = {k: hashes for k, hashes in self._warming.items() if hashes & self._reads.keys()}
+        if key in self._warming:
+            return TierPlan()
+        device = self.device
+        budget = device.num_free // 2
+        held: list[int] = []  # the chain's device blocks, so that loading its tail cannot evict its head
+        reads: set[bytes] = set()
+        loaded = 0
+        for block_hash, tokens in chain:
+            block_id = device.lookup(block_hash, tokens)
+            if block_id is not None:
+                device.incref(block_id)
+                held.append(block_id)
+                continue
+            host_id = self.host.lookup(block_hash, tokens)
+            if host_id is not None:
+                self.host.incref(host_id)  # the most recently used now; held until the plan has run
+                self._held_host.append(host_id)
+                if budget > 0:
+                    budget -= 1
+                    block = device.allocate()
+                    device.cache(block.block_id, block_hash, tokens)
+                    held.append(block.block_id)
+                    self._loads.append((host_id, block.block_id))
+                    loaded += 1
+                continue
+            if self.disk is None or len(reads) >= self.max_read_blocks or not self.disk.contains(block_hash, tokens):
+                break
+            reads.add(block_hash)
+            if block_hash not in self._reads:
+                self._reads[block_hash] = _Read(tokens, self.disk.read(block_hash, tokens))
+        for block_id in reversed(held):  # free again, cached: a request takes them as prefix hits
+            device.decref(block_id)
+        if reads:
+            self._warming[key] = reads
+        self.counters.warm_loaded_blocks += loaded
+        self.counters.warm_read_blocks += len(reads)
+        return self.finish_plan()
+
+    def warm_reads(self, key: str) -> set[bytes]:
+        """The disk reads the warm of ``key`` is waiting for."""
+        return self._warming.get(key, set()) & self._reads.keys()
+
     # -- disk reads -------------------------------------------------------------------------------
     def start_disk_loads(self, group: SequenceGroup) -> bool:
         """Start reading the blocks on disk that continue the group's prompts past the device and host
@@ -236,7 +294,8 @@ class KVTiers:
             kv_disk_blocks=disk.num_blocks if disk else 0, kv_disk_bytes=disk.num_bytes if disk else 0,
             kv_disk_hit_blocks=c.disk_hit_blocks, kv_disk_spilled_blocks=c.disk_spilled_blocks,
             kv_disk_failed_loads=c.disk_failed_loads, kv_disk_dropped_files=disk.dropped_files if disk else 0,
-            kv_disk_write_failures=disk.write_failures if disk else 0, kv_disk_load_seconds=c.disk_load_seconds)
+            kv_disk_write_failures=disk.write_failures if disk else 0, kv_disk_load_seconds=c.disk_load_seconds,
+            kv_warm_loaded_blocks=c.warm_loaded_blocks, kv_warm_read_blocks=c.warm_read_blocks)
 
     def host_only_blocks(self) -> tuple[tuple[int, bytes, tuple[int, ...]], ...]:
         """Cached host blocks the disk tier lacks, oldest first (as ``spill`` entries)."""

@@ -34,6 +34,7 @@ from engine.protocol import (
     StepOutput,
     Unpin,
     WantSnapshot,
+    Warm,
 )
 from engine.request import RequestLimits, SamplingParams, make_request
 
@@ -202,6 +203,11 @@ class CoreClient(EngineClient):
         if self.is_running:
             with contextlib.suppress(EngineDeadError):  # a dead engine holds no pins
                 self._send(Unpin(key))
+
+    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+        if self.is_running:
+            with contextlib.suppress(EngineDeadError):  # a hint: a dead engine has nothing to warm
+                self._send(Warm(key, list(prompt_token_ids)))
 
     # -- numbers ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

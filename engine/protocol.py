@@ -238,6 +238,17 @@ class Unpin:
 
 
 @dataclass(frozen=True)
+class Warm:
+    """A client opened a conversation: bring the KV blocks of its history (``prompt_token_ids``, the prompt
+    its next message will extend) up the engine's KV tiers before that message arrives. Best effort, no
+    reply; ``key`` (the session) allows one warm in flight at a time."""
+
+    TYPE: ClassVar[str] = "warm"
+    key: Id
+    prompt_token_ids: TokenIds
+
+
+@dataclass(frozen=True)
 class WantSnapshot:
     """Attach KV pictures to the outputs for the next ``SNAPSHOT_WINDOW_S`` seconds."""
 
@@ -251,8 +262,9 @@ class Shutdown:
     TYPE: ClassVar[str] = "shutdown"
 
 
-Command = AddRequest | Abort | Pin | Unpin | WantSnapshot | Shutdown
-_COMMANDS: dict[str, type[Command]] = {c.TYPE: c for c in (AddRequest, Abort, Pin, Unpin, WantSnapshot, Shutdown)}
+Command = AddRequest | Abort | Pin | Unpin | Warm | WantSnapshot | Shutdown
+_COMMANDS: dict[str, type[Command]] = {c.TYPE: c for c in (AddRequest, Abort, Pin, Unpin, Warm, WantSnapshot,
+                                                           Shutdown)}
 
 
 def encode_command(cmd: Command) -> dict[str, Any]:
@@ -334,6 +346,8 @@ class EngineStats(_Json):
     kv_disk_dropped_files: Count = 0
     kv_disk_write_failures: Count = 0
     kv_disk_load_seconds: Number = 0.0
+    kv_warm_loaded_blocks: Count = 0
+    kv_warm_read_blocks: Count = 0
     # What the engine computes with (kernels.runtime.KernelRuntime: kernel set, ISA, dtype, threads)
     runtime: Runtime | None = None
     # The client's view

@@ -17,7 +17,7 @@ Keys (``P`` is ``chatsvc:``; ``{id}`` a worker id, unique per worker process: a 
 * ``P worker:{id}:requests`` (stream): ``Generate`` entries. The worker reads them through the consumer
   group ``engine`` and XACKs (then deletes) an entry when its request has ended, so an entry is never
   run twice at once; it is never run again either, since a dead worker's stream is deleted with it.
-* ``P worker:{id}:control`` (stream): ``Abort``, ``Pin``, ``Unpin`` and ``WantSnapshot`` entries, read with XREAD
+* ``P worker:{id}:control`` (stream): ``Abort``, ``Pin``, ``Unpin``, ``Warm`` and ``WantSnapshot`` entries, read with XREAD
   from the start (the stream is as young as the worker).
 * ``P worker:{id}:kv`` (string, TTL): the worker's KV block picture (``engine.kv_snapshot()``), written with
   each beat for ``SNAPSHOT_WINDOW_S`` seconds after a ``WantSnapshot``.
@@ -64,6 +64,7 @@ from engine.protocol import (
     RequestError,
     Unpin,
     WantSnapshot,
+    Warm,
     dump_json,
     encode_command,
     parse_json,
@@ -173,10 +174,10 @@ class Beat:
         return parse_json(cls, text)
 
 
-Message = Generate | Abort | Pin | Unpin | WantSnapshot | Deltas | RequestError
+Message = Generate | Abort | Pin | Unpin | Warm | WantSnapshot | Deltas | RequestError
 # What a stream entry's ``type`` may name (commands other than these travel only inside a Generate).
 _TYPES: dict[str, type[Message]] = {
-    "error": RequestError, **{c.TYPE: c for c in (Generate, Deltas, Abort, Pin, Unpin, WantSnapshot)}}
+    "error": RequestError, **{c.TYPE: c for c in (Generate, Deltas, Abort, Pin, Unpin, Warm, WantSnapshot)}}
 
 
 def raise_if_cancelled() -> None:

@@ -57,6 +57,7 @@ class FakeEngine(EngineClient):
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.pins: dict[str, list[int]] = {}
+        self.warms: list[tuple[str, list[int]]] = []
         self._running = False
 
     def reset(self) -> None:
@@ -143,6 +144,9 @@ class FakeEngine(EngineClient):
 
     def unpin_prefix(self, key: str) -> None:
         self.pins.pop(key, None)
+
+    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+        self.warms.append((key, list(prompt_token_ids)))
 
     def stats(self) -> EngineStats:
         return EngineStats(kv_blocks_total=64,

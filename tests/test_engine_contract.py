@@ -36,8 +36,10 @@ from engine.request import SamplingParams
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 
 BLOCK = 16
+# A host KV tier (outside the 64-block pool) for the warm test.
 ENGINE_KW: dict[str, Any] = {"dtype": "float32", "attention_backend": "torch", "block_size": BLOCK,
-                             "num_kv_blocks": 64, "max_model_len": 512, "engine_threads": 1}
+                             "num_kv_blocks": 64, "max_model_len": 512, "engine_threads": 1,
+                             "kv_host_bytes": 1 << 22}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["Hello! Who are you?", "The capital of France is", "List three prime numbers:"]
 FAULT = "bad-"  # requests whose id starts with it fail inside the model run (LLMEngine's fault injection)
@@ -273,6 +275,22 @@ async def test_a_salted_prefix_is_found_only_under_its_salt(transport: Transport
     assert await cached("owner-2", "salt-b") >= pinned
     eng.unpin_prefix("persona:own")
     await wait_until(lambda: "persona:own" not in eng.kv_snapshot().pins, "the pin to go")
+
+
+async def test_warm_brings_a_session_history_back_into_the_pool(transport: Transport) -> None:
+    eng = transport.client
+    short = dataclasses.replace(GREEDY, max_tokens=2)
+    history = eng.tokenizer.encode("We talked about rivers and the sea for a long while. " * 8)[:96]
+    await collect(eng.generate("warm-first", short, prompt_token_ids=history, session_id="warm-session"))
+    for i in range(3):  # 3 x 25 blocks through the 64-block pool: the history's blocks go to the host tier
+        filler = eng.tokenizer.encode(f"Filler text number {i} about nothing in particular. " * 40)[:400]
+        await collect(eng.generate(f"warm-filler-{i}", short, prompt_token_ids=filler))
+    await wait_until(lambda: eng.stats().kv_host_offloaded_blocks >= 6, "the history in the host tier")
+    before = eng.stats().kv_warm_loaded_blocks
+    eng.warm_prefix("warm-session", history)
+    await wait_until(lambda: eng.stats().kv_warm_loaded_blocks >= before + 6, "the warm's loads")
+    hit = await collect(eng.generate("warm-back", short, prompt_token_ids=history + eng.tokenizer.encode(" Next?")))
+    assert hit[-1].cached_tokens >= 96  # the warmed blocks, as prefix hits
 
 
 async def test_stats_are_typed_and_follow_the_load(transport: Transport) -> None:

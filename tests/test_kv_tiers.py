@@ -309,6 +309,78 @@ def test_tiers_are_off_by_default_and_checked(tiny_dir: Path) -> None:
         _tiny(tiny_dir, kv_disk_dir="/tmp/x", kv_disk_bytes=1 << 20)
 
 
+# ---- warm on intent ----------------------------------------------------------------------------------
+
+
+def test_warm_loads_host_blocks_into_free_device_blocks() -> None:
+    bm = BlockManager(4, 6, extra_key=b"model")
+    tiers = KVTiers(bm, 8)
+    again, offloads = _evict_a_then_return(bm, tiers)
+    tiers.begin_step()
+    plan = tiers.warm("s1", bm.history_chain(again.token_ids[:12]))
+    # Half of the 6 free blocks at most: all three of the history's, from its head.
+    assert len(plan.load) == 3 and [h for h, _ in plan.load] == [h for _, h in reversed(offloads)]
+    assert plan.offload  # the cached blocks it evicted went to the host tier first, in the same plan
+    assert bm.lookup_prefix(again) == [d for _, d in plan.load]  # prefix hits now, on the device
+    assert bm.device.num_free == 6 and tiers.counters.warm_loaded_blocks == 3
+    bm.check_invariants()
+
+
+def test_warm_never_takes_blocks_in_use() -> None:
+    bm = BlockManager(4, 6, extra_key=b"model")
+    tiers = KVTiers(bm, 8)
+    again, _ = _evict_a_then_return(bm, tiers)
+    running = Sequence(list(range(300, 320)), 20)
+    tiers.begin_step()
+    bm.allocate_slots(running, 20)  # five of the six blocks
+    tiers.finish_plan()
+    tiers.begin_step()
+    plan = tiers.warm("s1", bm.history_chain(again.token_ids[:12]))
+    assert plan.load == () and bm.block_table(running) and bm.device.num_free == 1
+    bm.free(running)
+
+
+def test_warm_reads_disk_once_per_session(tmp_path: Path) -> None:
+    from engine.kv_disk import BlockFormat, DiskStore
+
+    fmt = BlockFormat(model="m", dtype="float32", block_size=4, layout="x", shape=(4,), payload_bytes=4)
+    disk = DiskStore(tmp_path, fmt, 1 << 20)
+    bm = BlockManager(4, 6, extra_key=b"model")
+    tiers = KVTiers(bm, 8, disk)
+    chain = bm.history_chain(list(range(500, 512)))
+    for block_hash, tokens in chain:
+        disk.write(block_hash, tokens, b"\x01\x02\x03\x04")
+    disk.flush()
+    assert tiers.warm("s1", chain).is_empty and tiers.warm_reads("s1")
+    assert tiers.counters.warm_read_blocks == 3
+    tiers.warm("s1", chain)  # while its reads are in flight: nothing more
+    assert tiers.counters.warm_read_blocks == 3
+    for read in tiers.reads_in_flight():
+        read.result(timeout=10)
+    assert all(c.payload == b"\x01\x02\x03\x04" for c in tiers.take_completed_reads())
+
+
+def test_a_warmed_session_restores_from_the_host_tier(tiny_dir: Path, tmp_path: Path, recomputed: Any) -> None:
+    """A conversation the host tier pushed to disk, warmed before its next message: the message finds its
+    blocks in the host tier (no disk wait), and its tokens are a recompute's."""
+    llm = _disk_llm(tiny_dir, tmp_path)
+    convs = _conversations()
+    assert _first_turns(llm, convs) == recomputed[0]
+    engine = llm.engine
+    history = convs[0] + recomputed[0][0]
+    assert engine.warm_prefix("s0", history) > 0
+    assert engine.stats().kv_warm_read_blocks > 0
+    while engine.has_unfinished():  # the engine loop while the user types: it installs the reads
+        engine.step()
+    read = engine.stats().kv_disk_hit_blocks
+    assert read == engine.stats().kv_warm_read_blocks
+    tokens, cached = _return(llm, convs, recomputed[0])
+    assert tokens == recomputed[1] and cached == 68
+    stats = llm.stats()
+    assert stats.kv_disk_hit_blocks == read  # nothing more from disk: the message came from the host tier
+    assert stats.kv_host_hit_blocks >= read
+
+
 # ---- the real model --------------------------------------------------------------------------------
 
 
@@ -351,3 +423,37 @@ def test_real_model_restores_match_transformers(tmp_path: Path, hf_greedy: Calla
     back = convs[1] + hf_greedy(convs[1], 6) + [504, 1234, 28]
     tokens, cached = turn(restarted, back, "after-restart")
     assert cached == 192 and tokens == hf_greedy(back, 6)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_real_model_warmed_session_matches_transformers(tmp_path: Path,
+                                                        hf_greedy: Callable[[list[int], int], list[int]]  # noqa: F811
+                                                        ) -> None:
+    """SmolLM2 in float32: a conversation pushed to the disk tier and warmed before its next message is
+    restored from the host tier and gives transformers' greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(2)
+    convs = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(5)]
+    block_bytes = 737280  # SmolLM2-135M, float32
+    engine = LLM(dtype="float32", num_kv_blocks=30, block_size=16, kv_host_bytes=24 * block_bytes,
+                 kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30).engine
+
+    def turn(ids: list[int], rid: str) -> tuple[list[int], int]:
+        group = engine.add_request(rid, params, prompt_token_ids=ids)
+        while engine.has_unfinished():
+            engine.step()
+        engine.block_manager.check_invariants()
+        return group.seqs[0].output_token_ids, group.num_cached_tokens
+
+    replies = [turn(c, f"first-{i}")[0] for i, c in enumerate(convs)]
+    assert engine.warm_prefix("s0", convs[0] + replies[0]) > 0
+    while engine.has_unfinished():
+        engine.step()
+    read = engine.stats().kv_disk_hit_blocks
+    assert read > 0
+    back = convs[0] + replies[0] + [504, 1234, 28]
+    tokens, cached = turn(back, "back")
+    assert cached == 192 and tokens == hf_greedy(back, 6)
+    stats = engine.stats()
+    assert stats.kv_disk_hit_blocks == read and stats.kv_host_hit_blocks >= 12
