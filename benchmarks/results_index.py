@@ -218,6 +218,19 @@ def _mask_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
              f"{_n(m.get('fill_ms'))}, {_n(m.get('apply_ms'))}, {_n(m.get('accept_ms'))}")]
 
 
+def _session_return(f: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = []
+    for length, r in sorted(f.get("lengths", {}).items(), key=lambda kv: int(kv[0])):
+        rows.append((f"returning-turn TTFT p50 at {length} tokens of history: recompute / tiers / after a warm / "
+                     "after a restart (s)",
+                     f"{_n(r['off_return']['p50'], 2)} / {_n(r['tiers_return']['p50'], 2)} / "
+                     f"{_n(r['warm_return']['p50'], 2)} / {_n(r['restart_return']['p50'], 2)}"))
+    ratios = f.get("ratios", {})
+    rows.append((f"recompute / tiers, recompute / warm at {ratios.get('at_length')} tokens",
+                 f"{_x(ratios.get('recompute_over_tiers_p50'), 2)}, {_x(ratios.get('recompute_over_warm_p50'), 2)}"))
+    return rows
+
+
 def _quantization(f: dict[str, Any]) -> list[tuple[str, str]]:
     acc = f.get("accuracy", {})
     # The int8 variant `--quantization int8` runs here (the kernel `auto` picks) first: it is the headline.
@@ -319,6 +332,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "structured_output": Benchmark(
         "Structured outputs when serving", "Workload 32 on one `chatsvc serve` with every request under a JSON "
         "schema vs none, in alternated rounds, and the grammar's mask work per step.", _structured_output),
+    "session_return": Benchmark(
+        "Returning conversations", "Sessions whose history the pool no longer holds come back: the first "
+        "token of their next turn with the KV tiers off (recompute) and on, after a warm, and after a restart.",
+        _session_return),
     "quantization_accuracy": Benchmark(
         "int8 quantization", "What `--quantization int8` costs in accuracy (vs float32 logits) and buys in "
         "projection speed.", _quantization),

@@ -15,14 +15,15 @@ time is the other sessions' turns (and ``--think-s`` more of idle engine). The d
   (``LLMEngine.warm_prefix`` on the session's history, as the gateway sends when a client opens the
   session, then the think time on an idle engine).
 * ``restart``: the ``tiers`` engine is closed (its host tier written to disk) and a new engine starts on the
-  same disk directory; round 4 returns to every session, its first turn reported apart.
+  same disk directory; after one request of nobody's (the process' first forward pass sets up its kernels,
+  ``restart_kernel_warmup_s``), round 4 returns to every session, its first turn reported apart.
 
 The engine runs in this process (``LLMEngine``), float32 on the CPU as ``--dtype auto`` resolves it; TTFT is
 from ``add_request`` to the step that samples the first token. Ratios are of TTFT p50s at the longest
 history: recompute / tiers, recompute / warm, restart / tiers (goal: <= ~1), and the flatness of the tiers'
 p50 over the lengths (longest / shortest).
 
-Usage: python benchmarks/session_return.py [--lengths 512,1024,2048] [--sessions 12] [--max-tokens 8]
+Usage: python benchmarks/session_return.py [--lengths 512,1024,2048] [--sessions 10] [--max-tokens 8]
     [--pool-fraction 0.25] [--host-fraction 0.5] [--think-s 0.2] [--quick] [--output FILE]
 Last line: one JSON object {"lengths": {L: {"off_return": {p50, p99, n}, "tiers_return": ..., "warm_return":
 ..., "restart_return": ..., "restart_first_s", "build": ..., "hits": {...}}}, "ratios": {...}, "sessions",
@@ -202,6 +203,11 @@ def measure_length(length: int, a: argparse.Namespace, disk_root: Path) -> dict[
     started = time.perf_counter()
     restarted = engine(**tier_args)
     result["restart_start_s"] = round(time.perf_counter() - started, 3)
+    # A fresh process' first forward pass also sets up its kernels (oneDNN primitives, thread pool): paid
+    # once by any server before its first request, on a prompt of nobody's, so the returns measure restores.
+    started = time.perf_counter()
+    run_turn(restarted, Session("warmup", list(range(1000, 1040))), "warmup", params)
+    result["restart_kernel_warmup_s"] = round(time.perf_counter() - started, 3)
     again, cached = round_of(restarted, sessions, 3, params, a.think_s)
     result["restart_return"] = summary(again)
     result["restart_first_s"] = round(again[0], 4)
@@ -220,7 +226,7 @@ def ratio(num: float, den: float) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="512,1024,2048", help="history lengths in tokens, comma-separated")
-    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--sessions", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens of each reply")
     ap.add_argument("--pool-fraction", type=float, default=0.25, help="of the sessions' histories the pool holds")
     ap.add_argument("--host-fraction", type=float, default=0.5, help="of the histories the host tier holds")
@@ -257,10 +263,10 @@ def main() -> None:
         "at_length": max(lengths),
     }
     lines = [
-        f"# session_return {started:%Y-%m-%d %H:%M} UTC",
-        f"machine: {host.line()}",
-        f"command: {command}",
-        f"uptime before: load {load_before}; after: load {load_after}",
+        f"# {started:%Y-%m-%dT%H:%M:%SZ}  commit {host.commit}  command: {command}",
+        f"machine: {host.line()}; dtype {a.dtype}",
+        f"uptime (1, 5, 15-min load) before: {' '.join(map(str, load_before))}; after: "
+        f"{' '.join(map(str, load_after))}",
         f"sessions {a.sessions}, lengths {lengths}, replies {a.max_tokens} tokens, pool {a.pool_fraction} and host "
         f"tier {a.host_fraction} of the histories, think {a.think_s} s, dtype {a.dtype}, one request in flight",
         "",

@@ -15,20 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # ~30 s on an idle 2-core machine (four engine starts); minutes when it is shared
 def test_quick_run_writes_a_record_whose_returns_come_from_the_tiers(tmp_path: Path) -> None:
     record = tmp_path / "record.txt"
     proc = subprocess.run([sys.executable, "benchmarks/session_return.py", "--quick", "--output", str(record),
-                           "--disk-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=110)
+                           "--disk-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = record.read_text()
-    assert "machine: " in text and "command: " in text and "uptime before" in text
+    assert "machine: " in text and "command: " in text and "uptime (1, 5, 15-min load) before" in text
     last = json.loads(text.strip().splitlines()[-1])
     assert last["quick"] and last["cores"] >= 1 and last["dtype"] == "float32"
     run = last["lengths"]["64"]
-    assert run["off_cached_tokens"]["max"] == 0  # the pool forgot every session: each return recomputed
+    # The pool forgot every session: each return recomputed all but the system prompt's block they share.
+    assert run["off_cached_tokens"]["max"] <= 16
     assert run["tiers_cached_tokens"]["p50"] >= 48  # the history's full blocks came back from host or disk
-    assert run["tiers_hits"]["disk_hit_blocks"] > 0
+    assert run["tiers_hits"]["host_hit_blocks"] + run["tiers_hits"]["disk_hit_blocks"] >= 3 * 4
     assert run["warm_hits"]["warm_read_blocks"] + run["warm_hits"]["warm_loaded_blocks"] > 0
     assert run["restart_cached_tokens"]["p50"] >= 48
     assert set(last["ratios"]) >= {"recompute_over_tiers_p50", "recompute_over_warm_p50", "restart_over_tiers_p50"}
