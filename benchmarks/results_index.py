@@ -220,7 +220,7 @@ def _mask_rows(m: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _session_return(f: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
-    for length, r in sorted(f.get("lengths", {}).items(), key=lambda kv: int(kv[0])):
+    for length, r in sorted(f.get("lengths", {}).items(), key=lambda kv: -int(kv[0])):  # the longest first
         rows.append((f"returning-turn TTFT p50 at {length} tokens of history: recompute / tiers / after a warm / "
                      "after a restart (s)",
                      f"{_n(r['off_return']['p50'], 2)} / {_n(r['tiers_return']['p50'], 2)} / "
