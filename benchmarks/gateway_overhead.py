@@ -121,7 +121,8 @@ class FakeEngine:
     def unpin_prefix(self, key: str) -> None:
         return None
 
-    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+    def warm_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None,
+                    shared_prefix_tokens: int = 0) -> None:
         return None
 
     def stats(self) -> EngineStats:

@@ -593,7 +593,8 @@ class RemoteEngine(EngineClient):
             cpu_used += snap.cpu_used
         return dataclasses.replace(merged, num_blocks=offset, cpu_used=cpu_used)
 
-    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+    def warm_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None,
+                    shared_prefix_tokens: int = 0) -> None:
         """Sent to the worker the session's last turn ran on (``key`` is the session id), which the router
         prefers for its next turn; a session with no live worker on record has nothing to warm."""
         async def send() -> None:
@@ -601,7 +602,7 @@ class RemoteEngine(EngineClient):
             if worker is not None:
                 worker = worker.decode() if isinstance(worker, bytes) else str(worker)
             if worker in self.workers:
-                await self._tell(self.r, worker, Warm(key, list(prompt_token_ids)))
+                await self._tell(self.r, worker, Warm(key, list(prompt_token_ids), cache_salt, shared_prefix_tokens))
 
         self._spawn(send())
 

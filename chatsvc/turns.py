@@ -139,7 +139,7 @@ class TurnRegistry:
         self.metrics = metrics
         self.settings = settings
         self.active: dict[str, ActiveTurn] = {}
-        self.warmer = SessionWarmer(engine, store, offload)
+        self.warmer = SessionWarmer(engine, store, offload, isolation)
         self.writer = EventWriter(store)
         self.store_retry_s = STORE_RETRY_S
         self._keepalive: asyncio.Task[None] | None = None

@@ -13,6 +13,7 @@ import asyncio
 import logging
 from typing import Any
 
+from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.history import TEMPLATE_TOKENS
 from chatsvc.offload import Offload
 from chatsvc.store import SessionMeta, Store
@@ -32,10 +33,12 @@ def history_prompt_ids(tokenizer: Any, system_prompt: str, history: list[dict[st
 
 
 class SessionWarmer:
-    def __init__(self, engine: EngineClient, store: Store, offload: Offload | None = None) -> None:
+    def __init__(self, engine: EngineClient, store: Store, offload: Offload | None = None,
+                 isolation: CacheIsolation | None = None) -> None:
         self.engine = engine
         self.store = store
         self.offload = offload
+        self.isolation = isolation  # the owner's salt, which the session's requests carry
         self.in_flight: dict[str, asyncio.Task[None]] = {}
 
     def warm(self, meta: SessionMeta) -> None:
@@ -61,8 +64,13 @@ class SessionWarmer:
                 return history_prompt_ids(tok, meta.system_prompt, history)
 
             ids = await (self.offload.run(tokenize) if self.offload is not None else asyncio.to_thread(tokenize))
-            if len(ids) < self.engine.max_model_len:
+            if len(ids) >= self.engine.max_model_len:
+                return
+            if self.isolation is None:
                 self.engine.warm_prefix(meta.id, ids)
+            else:
+                self.engine.warm_prefix(meta.id, ids, self.isolation.salt(meta.owner),
+                                        self.isolation.shared_prefix_tokens(ids))
         except Exception as exc:  # noqa: BLE001 - a hint: the next message restores or recomputes as before
             log.warning("could not warm session %s: %r", meta.id, exc)
 

@@ -336,7 +336,7 @@ class Worker:
                 self.pins.discard(msg.key)
                 self.engine.unpin_prefix(msg.key)
             case Warm():
-                self.engine.warm_prefix(msg.key, list(msg.prompt_token_ids))
+                self.engine.warm_prefix(msg.key, list(msg.prompt_token_ids), msg.cache_salt, msg.shared_prefix_tokens)
             case WantSnapshot():
                 self._kv_until = time.monotonic() + SNAPSHOT_WINDOW_S
             case _:

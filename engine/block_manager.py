@@ -103,12 +103,13 @@ class BlockManager:
         tiers under the pool (engine.kv_tiers) too."""
         return [(h, tuple(t)) for h, t in self._full_block_hashes(seq.token_ids, seq.num_tokens - 1, seq.cache_salt)]
 
-    def history_chain(self, token_ids: list[int]) -> list[tuple[bytes, tuple[int, ...]]]:
+    def history_chain(self, token_ids: list[int], salt: CacheSalt | None = None) -> list[tuple[bytes, tuple[int, ...]]]:
         """``(hash, tokens)`` of every full block of a conversation's history, which the next message's prompt
-        extends: the keys a warm brings up the tiers (engine.kv_tiers) before that prompt arrives."""
+        (salted with ``salt``, as its request will be) extends: the keys a warm brings up the tiers
+        (engine.kv_tiers) before that prompt arrives."""
         if not self.enable_prefix_caching:
             return []
-        return [(h, tuple(t)) for h, t in self._full_block_hashes(token_ids, len(token_ids))]
+        return [(h, tuple(t)) for h, t in self._full_block_hashes(token_ids, len(token_ids), salt or CacheSalt())]
 
     # -- allocation ---------------------------------------------------------------------------
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int, reserve_tokens: int = 0) -> int:

@@ -208,9 +208,11 @@ class EngineClient(Protocol):
 
     def unpin_prefix(self, key: str) -> None: ...
 
-    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+    def warm_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None,
+                    shared_prefix_tokens: int = 0) -> None:
         """Ask the engine to bring a conversation's history (the prompt its next message extends) up its KV
-        tiers ahead of that message; ``key`` names the session. Best effort: nothing waits or fails on it."""
+        tiers ahead of that message; ``key`` names the session, ``cache_salt`` and ``shared_prefix_tokens``
+        are its requests' (``SamplingParams``). Best effort: nothing waits or fails on it."""
         ...
 
     def stats(self) -> EngineStats:

@@ -133,7 +133,7 @@ class EngineCore:
                 engine.unpin_prefix(cmd.key)
             case Warm():
                 try:
-                    engine.warm_prefix(cmd.key, list(cmd.prompt_token_ids))
+                    engine.warm_prefix(cmd.key, list(cmd.prompt_token_ids), cmd.cache_salt, cmd.shared_prefix_tokens)
                 except Exception as exc:  # noqa: BLE001 - a warm is a hint: its failure costs a recompute only
                     log.warning("could not warm %s: %r", cmd.key, exc)
             case WantSnapshot():

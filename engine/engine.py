@@ -639,14 +639,16 @@ class LLMEngine:
     def unpin_prefix(self, key: str) -> None:
         self.block_manager.unpin(key)
 
-    def warm_prefix(self, key: str, history_token_ids: list[int]) -> int:
+    def warm_prefix(self, key: str, history_token_ids: list[int], cache_salt: str | None = None,
+                    shared_prefix_tokens: int = 0) -> int:
         """Bring a conversation's history up the KV tiers before its next message (best effort, bounded:
         engine.kv_tiers ``warm``); the blocks it loaded or started reading. Called between steps (the core
         applies commands there): the host to device copies run now, the disk reads on the disk tier's
         reader thread, installed by the steps that follow."""
         if self.tiers is None or self.tier_io is None:
             return 0
-        plan = self.tiers.warm(key, self.block_manager.history_chain(list(history_token_ids)))
+        salt = CacheSalt(cache_salt.encode(), shared_prefix_tokens) if cache_salt else CacheSalt()
+        plan = self.tiers.warm(key, self.block_manager.history_chain(list(history_token_ids), salt))
         self.tier_io.spill(plan.spill)  # before the offloads overwrite those host blocks, as in a step
         self.runner.execute_block_plans(SchedulerOutput(tiers=plan))
         return len(plan.load) + len(self.tiers.warm_reads(key))

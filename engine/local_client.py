@@ -204,10 +204,11 @@ class CoreClient(EngineClient):
             with contextlib.suppress(EngineDeadError):  # a dead engine holds no pins
                 self._send(Unpin(key))
 
-    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+    def warm_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None,
+                    shared_prefix_tokens: int = 0) -> None:
         if self.is_running:
             with contextlib.suppress(EngineDeadError):  # a hint: a dead engine has nothing to warm
-                self._send(Warm(key, list(prompt_token_ids)))
+                self._send(Warm(key, list(prompt_token_ids), cache_salt, shared_prefix_tokens))
 
     # -- numbers ----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -246,6 +246,8 @@ class Warm:
     TYPE: ClassVar[str] = "warm"
     key: Id
     prompt_token_ids: TokenIds
+    cache_salt: Id | None = None  # the salt the session's requests carry (SamplingParams.cache_salt)
+    shared_prefix_tokens: Count = 0
 
 
 @dataclass(frozen=True)

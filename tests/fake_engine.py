@@ -145,7 +145,8 @@ class FakeEngine(EngineClient):
     def unpin_prefix(self, key: str) -> None:
         self.pins.pop(key, None)
 
-    def warm_prefix(self, key: str, prompt_token_ids: list[int]) -> None:
+    def warm_prefix(self, key: str, prompt_token_ids: list[int], cache_salt: str | None = None,
+                    shared_prefix_tokens: int = 0) -> None:
         self.warms.append((key, list(prompt_token_ids)))
 
     def stats(self) -> EngineStats:

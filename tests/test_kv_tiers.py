@@ -327,6 +327,17 @@ def test_warm_loads_host_blocks_into_free_device_blocks() -> None:
     bm.check_invariants()
 
 
+def test_warm_under_another_salt_finds_nothing() -> None:
+    from engine.request import CacheSalt
+
+    bm = BlockManager(4, 6, extra_key=b"model")
+    tiers = KVTiers(bm, 8)
+    again, _ = _evict_a_then_return(bm, tiers)
+    tiers.begin_step()
+    plan = tiers.warm("s1", bm.history_chain(again.token_ids[:12], CacheSalt(b"another tenant")))
+    assert plan.load == () and tiers.counters.warm_loaded_blocks == 0
+
+
 def test_warm_never_takes_blocks_in_use() -> None:
     bm = BlockManager(4, 6, extra_key=b"model")
     tiers = KVTiers(bm, 8)
