@@ -52,16 +52,20 @@ from engine.protocol import (
     Warm,
 )
 from engine.streams import (
+    DEAD_LETTER_MAXLEN,
     GROUP,
     Beat,
     Deltas,
     Generate,
     Keys,
+    call_target,
+    dead_letter,
     decode,
     encode,
     entries,
     raise_if_cancelled,
     read_pin,
+    reply_target,
 )
 
 log = logging.getLogger("chatsvc.worker")
@@ -198,11 +202,14 @@ class Worker:
         with contextlib.suppress(RedisError):
             resp = await self.r.xreadgroup(GROUP, self.id, {self.keys.requests(self.id): ">"}, count=1000)
             for entry_id, fields in entries(resp):
-                with contextlib.suppress(ProtocolError):
+                try:
                     msg = decode(fields)
-                    if isinstance(msg, Generate):
-                        gone = RequestError(msg.add.request_id, "WorkerGone", "the worker is leaving")
-                        self.writer.put(self.keys.out(msg.dispatch), gone)
+                except ProtocolError as exc:
+                    await self._refuse(self.keys.requests(self.id), entry_id, fields, str(exc))
+                    continue
+                if isinstance(msg, Generate):
+                    gone = RequestError(msg.add.request_id, "WorkerGone", "the worker is leaving")
+                    self.writer.put(self.keys.out(msg.dispatch), gone)
                 await self._ack(entry_id)
         if self._running:
             await asyncio.wait(list(self._running.values()), timeout=self.drain_timeout_s)
@@ -265,7 +272,11 @@ class Worker:
                 await asyncio.sleep(0.5)
                 continue
             for entry_id, fields in entries(resp):
-                self._take(entry_id, fields)
+                try:
+                    self._take(entry_id, fields)
+                except Exception as exc:  # noqa: BLE001 - no entry stops the reader
+                    log.exception("request entry %s failed", entry_id)
+                    self._spawn(self._refuse(key, entry_id, fields, f"{type(exc).__name__}: {exc}"))
 
     def _take(self, entry_id: str, fields: dict[str, str]) -> None:
         try:
@@ -273,8 +284,8 @@ class Worker:
             if not isinstance(msg, Generate):
                 raise ProtocolError(f"{type(msg).__name__} on a request stream")
         except ProtocolError as exc:
-            log.error("dropping request entry %s: %s", entry_id, exc)
-            self._spawn(self._ack(entry_id))
+            log.error("refusing request entry %s: %s", entry_id, exc)
+            self._spawn(self._refuse(self.keys.requests(self.id), entry_id, fields, str(exc)))
             return
         task = asyncio.create_task(self._serve(entry_id, msg), name=f"serve-{msg.add.request_id}")
         self._running[msg.add.request_id] = task
@@ -299,6 +310,26 @@ class Worker:
             await self.writer.flushed()
             await self._ack(entry_id)
 
+    async def _refuse(self, stream: str, entry_id: str, fields: object, reason: str) -> None:
+        """An entry this worker cannot run: its sender is told where the entry names one (so a gateway fails
+        the request now instead of waiting for it), the entry goes to the dead-letter stream, and it is
+        acked (a request entry) so it is never read again."""
+        target = reply_target(fields)
+        if target is not None:
+            request_id, dispatch = target
+            self.writer.put(self.keys.out(dispatch), RequestError(
+                request_id, "TransportError", f"the engine worker could not decode the request: {reason}"[:1000]))
+        await self._dead_letter(stream, entry_id, fields, reason)
+        if stream == self.keys.requests(self.id):
+            await self._ack(entry_id)
+
+    async def _dead_letter(self, stream: str, entry_id: str, fields: object, reason: str) -> None:
+        try:
+            await self.r.xadd(self.keys.dead_letter, dead_letter(stream, entry_id, fields, reason),
+                              maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        except RedisError as exc:
+            log.warning("could not dead-letter entry %s of %s: %r", entry_id, stream, exc)
+
     async def _ack(self, entry_id: str) -> None:
         key = self.keys.requests(self.id)
         with contextlib.suppress(RedisError):
@@ -322,8 +353,13 @@ class Worker:
                 last = entry_id
                 try:
                     self._control(decode(fields))
-                except ProtocolError as exc:
-                    log.error("dropping control entry %s: %s", entry_id, exc)
+                except Exception as exc:  # noqa: BLE001 - no entry stops the control loop
+                    reason = str(exc) if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"
+                    log.error("dropping control entry %s: %s", entry_id, reason)
+                    self._spawn(self._dead_letter(key, entry_id, fields, reason))
+                    call = call_target(fields)
+                    if call is not None:
+                        self._spawn(self._answer(call, {"error": f"ProtocolError: {reason}"[:1000]}))
 
     def _control(self, msg: object) -> None:
         match msg:
@@ -361,11 +397,15 @@ class Worker:
         finally:
             self._pinning.discard(key)
         if reply is not None:
-            with contextlib.suppress(RedisError):
-                pipe = self.r.pipeline(transaction=False)
-                pipe.rpush(self.keys.reply(reply), json.dumps(answer))
-                pipe.expire(self.keys.reply(reply), REPLY_TTL_S)
-                await pipe.execute()
+            await self._answer(reply, answer)
+
+    async def _answer(self, call: str, answer: dict[str, Any]) -> None:
+        """The one reply to a control call that asked for it (its caller BLPOPs the list)."""
+        with contextlib.suppress(RedisError):
+            pipe = self.r.pipeline(transaction=False)
+            pipe.rpush(self.keys.reply(call), json.dumps(answer))
+            pipe.expire(self.keys.reply(call), REPLY_TTL_S)
+            await pipe.execute()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

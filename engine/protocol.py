@@ -18,15 +18,24 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, NotRequired, Self, TypeVar
 
 from annotated_types import Ge, Le, MaxLen
-from pydantic import AllowInfNan, PlainValidator, Strict, TypeAdapter, ValidationError
+from pydantic import (
+    AllowInfNan,
+    ConfigDict,
+    PlainValidator,
+    Strict,
+    TypeAdapter,
+    ValidationError,
+    with_config,
+)
+from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
 from engine.request import SamplingParams
 
 __all__ = [
-    "PROTOCOL_VERSION", "SNAPSHOT_WINDOW_S", "QueueFullError", "EngineDeadError", "StreamOverflowError",
+    "PROTOCOL_VERSION", "SNAPSHOT_WINDOW_S", "QueueFullError", "EngineDeadError", "StreamOverflowError", "TransportError",
     "ProtocolError", "RequestError", "RequestDelta", "AddRequest", "Abort", "Pin", "Unpin", "WantSnapshot",
     "Shutdown", "Command", "CallReply", "EngineStats", "WorkerStats", "KVSnapshot", "PoolView", "StepOutput",
     "EngineInfo", "encode_command", "decode_command", "parse", "parse_json", "dump_json",
@@ -65,6 +74,12 @@ class EngineDeadError(RuntimeError):
     """The engine is not running (never started, stopped, or its thread/process/worker died)."""
 
 
+class TransportError(EngineDeadError):
+    """A message between a client and its engine that the other side could not decode: a version skew or a
+    bug, never the caller's input (a client checks a request against the same bounds before sending it), so
+    the request fails as an engine failure (the gateway's 503), not as a bad request."""
+
+
 class StreamOverflowError(RuntimeError):
     """A request's reader fell so far behind that its unread output passed ``StreamLimits.max_buffered``;
     the request was aborted rather than buffered without bound."""
@@ -78,7 +93,7 @@ class ProtocolError(ValueError):
 
 _ERROR_KINDS: dict[str, type[Exception]] = {
     "ValueError": ValueError, "QueueFullError": QueueFullError, "EngineDeadError": EngineDeadError,
-    "StreamOverflowError": StreamOverflowError, "RuntimeError": RuntimeError,
+    "StreamOverflowError": StreamOverflowError, "RuntimeError": RuntimeError, "TransportError": TransportError,
 }
 
 
@@ -175,24 +190,69 @@ class RequestDelta(_Json):
 
 # ---- client -> engine: commands ------------------------------------------------------------------
 
-_PARAM_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# Bounds of the sampling parameters a message may carry: no value passes that could make the engine's step
+# loop spend unbounded time or memory on one request (a stop list scanned at every token, a seed offset's
+# draws skipped before the first token), nor a number the engine's arithmetic cannot take (NaN, a bigint).
+# The gateway's own limits are tighter; these are what any sender is held to.
+MAX_SEQS_PER_REQUEST = 1 << 10
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20
+
+TokenId = Annotated[int, Strict(), Ge(0), Le(MAX_TOKEN_ID)]
+SeqCount = Annotated[int, Strict(), Ge(1), Le(MAX_SEQS_PER_REQUEST)]
+OutputTokens = Annotated[int, Strict(), Ge(0), Le(MAX_TOKENS_PER_MESSAGE)]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class _GrammarJson(TypedDict):
+    kind: Annotated[str, MaxLen(64)]
+    schema: Text
+    parallel: NotRequired[Annotated[bool, Strict()]]
+
+
+@with_config(ConfigDict(extra="forbid"))
+class _ParamsJson(TypedDict, total=False):
+    """``SamplingParams`` as JSON, every field bounded; ``SamplingParams`` then checks how they combine."""
+
+    n: SeqCount
+    temperature: Number
+    top_p: Number
+    top_k: Annotated[int, Strict(), Ge(-1), Le(MAX_TOKEN_ID)]
+    min_p: Number
+    presence_penalty: Number
+    frequency_penalty: Number
+    repetition_penalty: Number
+    seed: Annotated[int, Strict(), Ge(-(2**63)), Le(2**64 - 1)] | None
+    seed_offset: Annotated[int, Strict(), Ge(0), Le(MAX_SEED_OFFSET)]
+    stop: Annotated[list[Annotated[str, MaxLen(MAX_STOP_STRING_CHARS)]], MaxLen(MAX_STOP_STRINGS)]
+    stop_token_ids: Annotated[list[TokenId], MaxLen(MAX_STOP_TOKEN_IDS)]
+    include_stop_str_in_output: Annotated[bool, Strict()]
+    ignore_eos: Annotated[bool, Strict()]
+    max_tokens: Annotated[int, Strict(), Ge(1), Le(MAX_TOKENS_PER_MESSAGE)] | None
+    min_tokens: OutputTokens
+    logprobs: Annotated[int, Strict(), Ge(0), Le(MAX_LOGPROBS)] | None
+    skip_special_tokens: Annotated[bool, Strict()]
+    use_beam_search: Annotated[bool, Strict()]
+    best_of: SeqCount | None
+    length_penalty: Number
+    early_stopping: Annotated[bool, Strict()] | Literal["never"]
+    grammar: _GrammarJson | None
+    reserve_output_tokens: Annotated[int, Strict(), Ge(1), Le(MAX_TOKENS_PER_MESSAGE)] | None
 
 
 def _params(data: Any) -> SamplingParams:
-    """Sampling parameters from their JSON form, validated (``SamplingParams`` checks its own ranges)."""
-    if not isinstance(data, dict):
-        raise ProtocolError(f"params must be an object, got {type(data).__name__}")
-    unknown = set(data) - _PARAM_NAMES
-    if unknown:
-        raise ProtocolError(f"unknown sampling parameters: {sorted(unknown)[:5]}")
-    offset = data.get("seed_offset", 0)
-    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= MAX_SEED_OFFSET:
-        raise ProtocolError(f"seed_offset must be an integer in [0, {MAX_SEED_OFFSET}]")
-    grammar = data.get("grammar")
-    if isinstance(grammar, dict) and len(str(grammar.get("schema", ""))) > MAX_TEXT_CHARS:
-        raise ProtocolError(f"a grammar's schema is limited to {MAX_TEXT_CHARS} characters")
+    """Sampling parameters from their JSON form: every field of its type and within its bound, no unknown
+    field, then ``SamplingParams``'s own checks of how they combine."""
     try:
-        return SamplingParams(**data)
+        fields = _adapter(_ParamsJson).validate_python(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in err["loc"]) or "params"
+        raise ProtocolError(f"bad sampling parameters: {where}: {err['msg']}"[:500]) from None
+    try:
+        return SamplingParams(**fields)  # type: ignore[arg-type]  # a GrammarSpec's JSON form is decoded there
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"bad sampling parameters: {exc}") from None
 

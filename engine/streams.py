@@ -35,11 +35,19 @@ Keys (``P`` is ``chatsvc:``; ``{id}`` a worker id, unique per worker process: a 
   worker pins when it serves them (``pin_value``, ``read_pin``).
 * ``P reply:{call}`` (list, TTL): the one reply to a ``Pin`` that asked for it (RPUSH by the worker, BLPOP
   by the caller).
+* ``P dead_letter`` (stream, capped at about ``DEAD_LETTER_MAXLEN`` entries): every entry either side read and
+  could not decode: ``stream`` (where it was), ``id``, ``reason`` and ``entry`` (its fields as JSON, cut at
+  ``DEAD_LETTER_ENTRY_CHARS``), for an operator to look at (``XREVRANGE chatsvc:dead_letter + - COUNT 10``).
 
 Every stream entry has three fields: ``v`` (this module's ``VERSION``), ``type`` (the message's ``TYPE``)
 and ``data`` (the message's fields as a JSON object). A reader refuses another version with
 ``ProtocolError`` rather than guessing; a later version may add fields (readers ignore unknown ones) but
 must bump ``VERSION`` to change or remove one.
+
+A reader that cannot decode an entry drops it into the dead-letter stream, answers its sender where the entry
+names one it can reach (``reply_target``: a ``Generate`` of this version gets a ``RequestError`` of kind
+``TransportError`` on its output stream, so the gateway fails the request at once instead of waiting) and reads
+on: no entry stops a loop.
 """
 
 from __future__ import annotations
@@ -47,12 +55,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 from annotated_types import MaxLen, MinLen
 
 from engine.protocol import (
+    MAX_ID_CHARS,
     Abort,
     AddRequest,
     EngineStats,
@@ -71,12 +81,13 @@ from engine.protocol import (
 )
 
 __all__ = ["VERSION", "GROUP", "Keys", "Generate", "Deltas", "Beat", "Message", "encode", "decode", "Entry",
-           "entries",
-           "raise_if_cancelled"]
+           "entries", "raise_if_cancelled", "DEAD_LETTER_MAXLEN", "dead_letter", "reply_target", "call_target"]
 
 VERSION = 2
 GROUP = "engine"  # the consumer group of every request stream
 MAX_ENTRY_BYTES = 64 << 20  # a larger entry is refused unread
+DEAD_LETTER_MAXLEN = 1000
+DEAD_LETTER_ENTRY_CHARS = 16 << 10  # of a dead entry's fields: enough to see what it was, bounded
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,10 @@ class Keys:
 
     def reply(self, call: str) -> str:
         return f"{self.prefix}reply:{call}"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.prefix}dead_letter"
 
 
 # ---- messages only this transport has ------------------------------------------------------------
@@ -232,3 +247,54 @@ def decode(entry: dict[str, str]) -> Message:
     if not isinstance(raw, str) or len(raw) > MAX_ENTRY_BYTES:
         raise ProtocolError("an entry's data must be a JSON object of bounded size")
     return parse_json(cls, raw)
+
+
+def dead_letter(stream: str, entry_id: str, fields: object, reason: str) -> dict[str, str]:
+    """The dead-letter entry of an entry that could not be decoded: where it was, why, and (cut) what."""
+    try:
+        raw = json.dumps(fields, ensure_ascii=False)
+    except (TypeError, ValueError):
+        raw = repr(fields)
+    return {"stream": stream[:MAX_ID_CHARS], "id": str(entry_id)[:64], "reason": reason[:1000],
+            "entry": raw[:DEAD_LETTER_ENTRY_CHARS]}
+
+
+_DISPATCH = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def reply_target(fields: object) -> tuple[str, str] | None:
+    """(request id, dispatch) of an undecodable ``Generate`` entry of this version, if its JSON still names
+    them: its sender reads that dispatch's output stream and can be told. None for an entry of another version
+    (its sender would not read the answer either) or one that names no dispatch."""
+    if not isinstance(fields, dict) or fields.get("v") != str(VERSION) or fields.get("type") != Generate.TYPE:
+        return None
+    raw = fields.get("data")
+    if not isinstance(raw, str) or len(raw) > MAX_ENTRY_BYTES:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("add"), dict):
+        return None
+    dispatch, request_id = data.get("dispatch"), data["add"].get("request_id")
+    if not isinstance(dispatch, str) or not _DISPATCH.fullmatch(dispatch):
+        return None
+    if not isinstance(request_id, str) or len(request_id) > MAX_ID_CHARS:
+        request_id = ""
+    return request_id, dispatch
+
+
+def call_target(fields: object) -> str | None:
+    """The ``call_id`` an undecodable control entry of this version asks its answer under, if any."""
+    if not isinstance(fields, dict) or fields.get("v") != str(VERSION) or not isinstance(fields.get("data"), str):
+        return None
+    raw = fields["data"]
+    if len(raw) > MAX_ENTRY_BYTES:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    call = data.get("call_id") if isinstance(data, dict) else None
+    return call if isinstance(call, str) and _DISPATCH.fullmatch(call) else None

@@ -75,6 +75,11 @@ def test_keys_share_one_prefix() -> None:
      "dispatch": "d"},
     {"add": {"type": "abort", "request_id": "r"}, "dispatch": "d"},
     [],
+    *({"add": {"type": "add", "request_id": "r", "params": params, "prompt_token_ids": [1]}, "dispatch": "d"}
+      for params in ({"temperature": float("nan")}, {"top_p": float("inf")}, {"top_k": 10**12}, {"seed": 2**64},
+                     {"stop": ["ab"] * 100_000}, {"stop": ["x" * 5000]}, {"stop_token_ids": [2**40]},
+                     {"n": 10**6}, {"max_tokens": 10**30}, {"ignore_eos": 1}, {"grammar": {"kind": "json_object"}},
+                     {"grammar": {"kind": "json_object", "schema": "", "extra": 1}})),
 ])
 def test_a_malformed_generate_entry_is_a_protocol_error(data: object) -> None:
     with pytest.raises(ProtocolError):

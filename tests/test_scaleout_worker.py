@@ -1,10 +1,11 @@
 """Worker in this process on a real AsyncEngine (tiny model) and a real Redis: a Generate entry becomes the
-engine's reply on the output stream and is acked; bad entries are dropped; stop drains; a worker declared
-dead (fenced) aborts its requests and exits 1."""
+engine's reply on the output stream and is acked; a bad entry is answered where it names its sender,
+dead-lettered, and stops no loop; stop drains; a worker declared dead (fenced) aborts its requests and exits 1."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,12 +13,13 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from gateway_fixtures import redis_proc, redis_url  # noqa: F401
+from timing import scaled
 
 from chatsvc.worker import Worker
 from engine.async_engine import AsyncEngine
-from engine.protocol import AddRequest, RequestDelta, RequestError
+from engine.protocol import Abort, AddRequest, RequestDelta, RequestError, TransportError
 from engine.request import SamplingParams
-from engine.streams import GROUP, Deltas, Generate, Keys, decode, encode
+from engine.streams import GROUP, VERSION, Deltas, Generate, Keys, decode, encode
 
 pytestmark = pytest.mark.integration
 K = Keys()
@@ -139,3 +141,56 @@ async def test_a_worker_declared_dead_aborts_its_requests_and_exits_1(r: aioredi
     assert await asyncio.wait_for(task, 10) == 1
     got = deltas(await read(r, key))
     assert got[-1].finish_reason == "abort" and got[-1].completion_tokens < 450
+
+
+def generate_entry(dispatch: str, params: object, version: int = VERSION) -> dict[str, str]:
+    add = {"type": "add", "request_id": f"r-{dispatch}", "params": params, "prompt_token_ids": [5, 6, 7]}
+    return {"v": str(version), "type": "generate", "data": json.dumps({"add": add, "dispatch": dispatch})}
+
+
+async def test_a_bad_request_entry_is_answered_dead_lettered_and_the_reader_goes_on(r: aioredis.Redis,
+                                                                                   tiny: Path) -> None:
+    worker, stop, task = await started(r, tiny)
+    await r.delete(K.dead_letter)
+    bad = {"null": None, "seed": {"seed_offset": 10**30},
+           # Each stop string is matched at every token: 100k of them would hold the step loop for everyone.
+           "stops": {"stop": ["ab"] * 100_000, "max_tokens": 4}, "nan": {"temperature": float("nan")}}
+    for name, params in bad.items():
+        await r.xadd(K.requests("w1"), generate_entry(f"d-{name}", params))
+    await r.xadd(K.requests("w1"), generate_entry("d-v9", {}, version=9))  # a newer gateway's entry
+    for name in bad:
+        msgs = await read(r, K.out(f"d-{name}"), timeout_s=scaled(10))
+        assert len(msgs) == 1 and isinstance(msgs[0], RequestError), (name, msgs)
+        assert msgs[0].kind == "TransportError" and msgs[0].request_id == f"r-d-{name}"
+        assert isinstance(msgs[0].exception(), TransportError)
+    assert await read(r, K.out("d-v9"), timeout_s=1.0) == []  # its sender would not read this version's answer
+    dead = {fields["id"]: fields for _id, fields in await r.xrange(K.dead_letter)}
+    assert len(dead) == len(bad) + 1 and {f["stream"] for f in dead.values()} == {K.requests("w1")}
+    assert all(f["reason"] and f["entry"].startswith('{"v": ') for f in dead.values())
+    assert any("version" in f["reason"] and '"9"' in f["entry"] for f in dead.values())
+    assert not (await r.xpending(K.requests("w1"), GROUP))["pending"]  # acked: never read again
+    assert deltas(await read(r, await send(r, "fine", [5, 6, 7], 3)))[-1].completion_tokens == 3
+    assert not task.done()
+    stop.set()
+    assert await task == 0
+
+
+async def test_a_bad_control_entry_is_dead_lettered_and_the_control_loop_goes_on(r: aioredis.Redis,
+                                                                                 tiny: Path) -> None:
+    worker, stop, task = await started(r, tiny)
+    await r.delete(K.dead_letter, K.reply("c1"))
+    key = await send(r, "long", list(range(3, 20)), 450)
+    await read(r, key, until_finished=False)
+    await r.xadd(K.control("w1"), {"v": str(VERSION), "type": "abort", "data": json.dumps(["long"])})
+    await r.xadd(K.control("w1"), {"v": str(VERSION), "type": "pin",
+                                   "data": json.dumps({"key": "p", "prompt_token_ids": [-1], "call_id": "c1"})})
+    answer = await r.blpop([K.reply("c1")], timeout=scaled(10))
+    assert answer is not None and "error" in json.loads(answer[1])  # the caller is told, not left waiting
+    await r.xadd(K.control("w1"), encode(Abort("long")))  # the loop still reads: this one aborts the request
+    got = deltas(await read(r, key))
+    assert got[-1].finish_reason == "abort" and got[-1].completion_tokens < 450
+    dead = [fields for _id, fields in await r.xrange(K.dead_letter)]
+    assert [f["stream"] for f in dead] == [K.control("w1")] * 2
+    assert "list" in dead[0]["reason"].lower() or "Abort" in dead[0]["reason"]
+    stop.set()
+    assert await task == 0
