@@ -39,6 +39,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--route-policy", choices=["affinity", "random"], default="affinity",
                    help="with --engine redis: place a session's turns and a persona's sessions where their blocks "
                         "are cached (affinity), or anywhere (random: a benchmark baseline)")
+    p.add_argument("--progress-timeout", type=float, default=120.0,
+                   help="with --engine redis: seconds a request's worker may send nothing (beyond its measured "
+                        "prefill time) before the request is moved to another worker, or fails with 503")
     p.add_argument("--api-key", action="append", default=None, dest="api_keys",
                    help="accepted API key (repeatable; also $CHATSVC_API_KEYS, comma-separated)")
     p.add_argument("--admin-key", action="append", default=None, dest="admin_keys",
@@ -139,7 +142,8 @@ def remote_engine(args: argparse.Namespace, redis_url: str) -> EngineClient:
     from chatsvc.remote_engine import RemoteEngine
     from chatsvc.router import Router
 
-    kwargs: dict[str, Any] = {"router": Router(policy=args.route_policy), "session_ttl_s": args.session_ttl_s}
+    kwargs: dict[str, Any] = {"router": Router(policy=args.route_policy), "session_ttl_s": args.session_ttl_s,
+                              "progress_timeout_s": args.progress_timeout}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
     return RemoteEngine.from_url(redis_url, args.model, **kwargs)
@@ -240,6 +244,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 def worker(args: argparse.Namespace) -> int:
     import redis.asyncio as aioredis
 
+    from chatsvc.store.base import REFUSED_ERRORS, command_retry
     from chatsvc.worker import Worker, worker_id
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -251,7 +256,8 @@ def worker(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)  # drain, then exit
         client = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2,
-                                         health_check_interval=15)
+                                         health_check_interval=15, retry=command_retry(),
+                                         retry_on_error=list(REFUSED_ERRORS))
         try:
             return await Worker(engine, client, worker_id(args.name), ttl_s=args.heartbeat_ttl,
                                 drain_timeout_s=args.drain_timeout).run(stop)

@@ -28,6 +28,14 @@ exact across a failover, and documented as such: output-token penalties (presenc
 the tokens before the failover (they are prompt tokens there). A request of ``n > 1`` fails with
 ``EngineDeadError`` instead.
 
+Progress deadline. A dispatch whose worker beats but sends nothing for ``progress_timeout_s`` (plus the
+worker's measured prefill time of the prompt, before the first entry) is taken for lost (``WorkerStalled``):
+its worker wedged, its entry was dropped (another format version), or its output was lost. It is aborted
+there and failed over like a dead worker's, to another one; when no other worker is live the request fails
+with ``EngineDeadError``. An output entry this side cannot decode is dead-lettered and fails the request with
+``TransportError`` (an engine failure, the gateway's 503); a request that would not decode on the worker is
+refused before it is sent (``ProtocolError``, the caller's 400).
+
 A full queue. A worker that refuses a request before it started (``QueueFullError``) is left out and the
 request placed again among the others; only when every live worker refused it does the caller get
 ``QueueFullError`` (the gateway's 429).
@@ -69,6 +77,7 @@ from redis.exceptions import RedisError
 
 from chatsvc.router import Router
 from chatsvc.settings import SESSION_TTL_S
+from chatsvc.store.base import REFUSED_ERRORS, command_retry
 from engine.client import EngineClient, StreamCounters, StreamLimits
 from engine.detokenizer import IncrementalDetokenizer
 from engine.protocol import (
@@ -84,16 +93,21 @@ from engine.protocol import (
     QueueFullError,
     RequestError,
     StreamOverflowError,
+    TransportError,
     Unpin,
     WantSnapshot,
     Warm,
+    encode_command,
+    parse,
 )
 from engine.request import RequestLimits, SamplingParams, make_request
 from engine.streams import (
+    DEAD_LETTER_MAXLEN,
     Beat,
     Deltas,
     Generate,
     Keys,
+    dead_letter,
     decode,
     encode,
     entries,
@@ -108,10 +122,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("chatsvc.remote")
 
-__all__ = ["RemoteEngine", "WorkerLost"]
+__all__ = ["RemoteEngine", "WorkerLost", "WorkerStalled"]
 
 POLL_S = 0.25
 WAIT_FOR_WORKER_S = 10.0
+# No entry from a dispatch's worker for this long (plus its measured prefill time of the prompt, before the
+# first one): the dispatch is taken for lost. Above any step a healthy worker takes, and above a request's wait
+# in a worker's queue under the load it is sized for; a request queued longer than this is moved.
+PROGRESS_TIMEOUT_S = 120.0
 # Entries a worker control stream keeps (about: trimmed a node at a time); far more than a live worker lags.
 CONTROL_MAXLEN = 1000
 ROUTE_TTL_S = 24 * 3600
@@ -127,6 +145,11 @@ _SUMMED = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "cpu_blocks_
 
 class WorkerLost(Exception):
     """The worker of a dispatch died, or left without running it: dispatch it again elsewhere."""
+
+
+class WorkerStalled(WorkerLost):
+    """The worker of a dispatch is alive (it beats) but sent nothing for it within the progress deadline: it
+    is wedged, or the request's entry or its output was lost on the way. Aborted there, dispatched elsewhere."""
 
 
 @dataclasses.dataclass
@@ -146,8 +169,10 @@ class RemoteEngine(EngineClient):
     def __init__(self, redis: Any, tokenizer: Tokenizer, model_name: str, *, max_model_len: int = 2048,
                  keys: Keys | None = None, router: Router | None = None, session_ttl_s: int = SESSION_TTL_S,
                  poll_s: float = POLL_S, wait_for_worker_s: float = WAIT_FOR_WORKER_S,
-                 stream_limits: StreamLimits | None = None, control_maxlen: int = CONTROL_MAXLEN) -> None:
+                 stream_limits: StreamLimits | None = None, control_maxlen: int = CONTROL_MAXLEN,
+                 progress_timeout_s: float = PROGRESS_TIMEOUT_S) -> None:
         self.r = redis
+        self.progress_timeout_s = progress_timeout_s
         self.control_maxlen = control_maxlen
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -186,7 +211,8 @@ class RemoteEngine(EngineClient):
         tokenizer.eos_token_ids = config.eos_token_ids
         name = config.name or Path(resolve_model_path(model)).stem
         client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2,
-                                         health_check_interval=15)
+                                         health_check_interval=15, retry=command_retry(),
+                                         retry_on_error=list(REFUSED_ERRORS))
         kwargs.setdefault("max_model_len", config.max_position_embeddings)
         return cls(client, tokenizer, name, **kwargs)
 
@@ -286,6 +312,9 @@ class RemoteEngine(EngineClient):
         limits = RequestLimits(sys.maxsize, MAX_TOKEN_ID + 1, self.max_model_len)
         group = make_request(limits, self.tokenizer.encode, request_id, sampling_params, prompt,
                              prompt_token_ids)
+        # Held to the bounds the worker decodes it with (ProtocolError: a ValueError, the caller's 400), so a
+        # request the worker would refuse as malformed is refused here, before it is sent.
+        parse(AddRequest, encode_command(AddRequest(request_id, sampling_params, group.prompt_token_ids)))
         return self._stream(request_id, sampling_params, group.prompt_token_ids, session_id)
 
     async def _stream(self, request_id: str, params: SamplingParams, prompt_ids: list[int],
@@ -297,9 +326,10 @@ class RemoteEngine(EngineClient):
         failover = False
         detok: IncrementalDetokenizer | None = None  # after a failover: the text as one worker would have made it
         refused: set[str] = set()  # workers whose queue was full for this request
+        stalled: set[str] = set()  # workers that let a dispatch of it pass its progress deadline
         try:
             while True:
-                worker = await self._place(session_id, pin, failover, refused)
+                worker = await self._place(session_id, pin, failover, refused | stalled)
                 base = len(streamed)
                 answered = False
                 where = (worker.worker, secrets.token_hex(8))
@@ -336,8 +366,14 @@ class RemoteEngine(EngineClient):
                     log.info("worker %s refused request %s (queue full); trying another", worker.worker, request_id)
                 except WorkerLost as exc:
                     self._pending[worker.worker] -= 1
-                    await self._end(request_id, where, aborted=False)  # its worker is gone: nothing to abort
+                    # A dead worker has nothing to abort; a stalled one may still run it (and hold its blocks).
+                    await self._end(request_id, where, aborted=isinstance(exc, WorkerStalled))
                     where = None
+                    if isinstance(exc, WorkerStalled):
+                        stalled.add(worker.worker)
+                        if all(w in stalled for w, beat in self.workers.items() if not beat.draining):
+                            raise EngineDeadError(f"request {request_id}: {exc}, and no other engine worker "
+                                                  "is live") from None
                     if params.n != 1:
                         raise EngineDeadError(f"engine worker {worker.worker} was lost: {exc}") from None
                     self.failovers += 1
@@ -367,7 +403,10 @@ class RemoteEngine(EngineClient):
         for _rid, r in slow:
             pipe.xrevrange(self.keys.out(r.dispatch), count=1)
         for (rid, r), last in zip(slow, await pipe.execute(), strict=True):
-            msg = decode(last[0][1]) if last else None
+            try:
+                msg = decode(last[0][1]) if last else None
+            except ProtocolError:
+                continue  # its reader meets the entry and fails the request
             if not isinstance(msg, Deltas) or not msg.deltas:
                 continue
             unread = (msg.deltas[-1].completion_tokens + r.base - r.read) * r.per_token
@@ -448,6 +487,10 @@ class RemoteEngine(EngineClient):
         original prompt's ``prompt_len`` tokens (0: unknown, keep the worker's)."""
         key, last = self.keys.out(dispatch), "0-0"
         block_ms = max(1, int(self.poll_s * 1000))
+        beat = self.workers.get(worker)
+        # Before the first entry the worker computes the prompt: its measured prefill time is added.
+        first_s = prompt_len * beat.stats.prefill_seconds_per_token if beat is not None else 0.0
+        progressed = time.monotonic()
         while True:
             raise_if_cancelled()
             if self._stopping:
@@ -458,11 +501,20 @@ class RemoteEngine(EngineClient):
                 if self._stopping:
                     raise EngineDeadError("the gateway's engine client was stopped") from None
                 raise
-            if not resp and worker not in self.workers:
+            if resp:
+                progressed, first_s = time.monotonic(), 0.0
+            elif worker not in self.workers:
                 raise WorkerLost(f"worker {worker} stopped beating")
+            elif time.monotonic() - progressed > self.progress_timeout_s + first_s:
+                raise WorkerStalled(f"worker {worker} sent nothing for {time.monotonic() - progressed:.0f}s "
+                                    f"(progress deadline {self.progress_timeout_s + first_s:.0f}s)")
             for entry_id, fields in entries(resp):
                 last = entry_id
-                msg = decode(fields)
+                try:
+                    msg = decode(fields)
+                except ProtocolError as exc:
+                    await self._dead_letter(key, entry_id, fields, str(exc))
+                    raise TransportError(f"worker {worker} sent an entry this gateway cannot decode: {exc}") from None
                 if isinstance(msg, RequestError):
                     if msg.kind == "WorkerGone":
                         raise WorkerLost(msg.message)
@@ -521,7 +573,7 @@ class RemoteEngine(EngineClient):
                     return
             raise WorkerLost("the output stream ended without the request's end")
         except WorkerLost as exc:
-            finished = True  # its worker is gone: nothing to abort
+            finished = not isinstance(exc, WorkerStalled)  # a dead worker has nothing to abort
             raise EngineDeadError(f"engine worker {worker} of an adopted request was lost: {exc}") from None
         finally:
             self._pending[worker] -= 1
@@ -625,6 +677,14 @@ class RemoteEngine(EngineClient):
         stream is trimmed to about ``control_maxlen`` entries: a worker acts on each as it reads it, so only
         entries long read (or a dead worker's) are dropped, and the stream never grows without bound."""
         return target.xadd(self.keys.control(worker), encode(msg), maxlen=self.control_maxlen, approximate=True)
+
+    async def _dead_letter(self, stream: str, entry_id: str, fields: object, reason: str) -> None:
+        log.error("undecodable entry %s on %s: %s", entry_id, stream, reason)
+        try:
+            await self.r.xadd(self.keys.dead_letter, dead_letter(stream, entry_id, fields, reason),
+                              maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        except RedisError as exc:
+            log.warning("could not dead-letter entry %s of %s: %r", entry_id, stream, exc)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)

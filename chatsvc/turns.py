@@ -43,9 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.errors import APIError
@@ -57,6 +55,7 @@ from chatsvc.quotas import Lease
 from chatsvc.schemas import SessionMessage, resolve_max_tokens, session_not_found, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
+from chatsvc.store.base import RETRIED_ERRORS
 from chatsvc.store.keys import stream_key
 from chatsvc.store.streams import settle
 from chatsvc.tools import parse_reply, unknown_tool_results
@@ -368,16 +367,18 @@ class TurnRegistry:
         at.grace = asyncio.create_task(self._grace(at))  # no reader here yet: readers elsewhere may count
 
     async def _retrying(self, at: ActiveTurn, deadline: float, op: Callable[[], Awaitable[T]]) -> T:
-        """``op()``, retried with backoff while Redis is unreachable, until ``deadline`` (then it raises).
-        Only idempotent writes are retried: one that timed out may still have been applied."""
+        """``op()``, retried with backoff while Redis is unreachable or refuses writes (``RETRIED_ERRORS``: out
+        of memory, read-only during a failover, loading), until ``deadline`` (then it raises). Only idempotent
+        writes are retried: one that timed out may still have been applied."""
         delay = 0.1
         while True:
             try:
                 return await op()
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except RETRIED_ERRORS as exc:
                 if time.monotonic() + delay > deadline:
                     raise
-                log.warning("Redis unreachable while storing %s (%r); retrying in %.1fs", at.request_id, exc, delay)
+                log.warning("Redis unreachable or refusing writes while storing %s (%r); retrying in %.1fs",
+                            at.request_id, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

@@ -6,6 +6,10 @@ Four tasks share the worker's event loop:
   that hands the request's deltas to the writer; when the request ends its entry is XACKed and deleted.
 * control: XREAD on its control stream: ``Abort`` (``engine.abort``), ``Pin``/``Unpin`` (``pin_prefix``,
   ``unpin_prefix``), ``Warm`` (``warm_prefix``), ``WantSnapshot``.
+
+An entry on either stream that does not decode (``engine.streams``: every field bounded) is answered where it
+names its sender (a request: a ``TransportError`` on its output stream; a pin call: an error reply), written
+to the dead-letter stream with the reason, and acked; nothing an entry holds stops either loop.
 * writer: every delta handed in since its last write goes out in ONE pipelined round trip, one stream
   entry per request; the deltas of one engine step reach the relays together, so a step costs one hop.
 * heartbeat: every ``ttl/4`` seconds the ``Beat`` (load: free blocks, running/waiting/swapped, pinned
@@ -83,25 +87,38 @@ def worker_id(name: str | None = None) -> str:
 
 
 class OutWriter:
-    """Writes the messages handed in since the last write in one pipelined round trip, in order."""
+    """Writes the messages handed in since the last write in one round trip (MULTI/EXEC: a write Redis
+    refuses, as under OOM or a missing permission, adds no entry, so a retry never doubles one), in order.
+
+    Output it gave up on (Redis refused it past the retries) leaves a gap the gateway must not stream over:
+    the stream is marked lost, nothing more is written to it but, as soon as Redis takes writes again, one
+    ``WorkerGone`` error, so its gateway dispatches the request again with the tokens it did get (and its
+    progress deadline covers a Redis that never comes back). The worker aborts a request whose stream is lost."""
 
     def __init__(self, redis: Any, ttl_s: int = OUT_TTL_S) -> None:
         self.r = redis
         self.ttl_s = ttl_s
         self._pending: dict[str, list[Deltas | RequestError]] = {}
+        self._lost: dict[str, float] = {}  # output stream -> when its output was dropped
+        self._notices: dict[str, RequestError] = {}  # lost streams whose gateway is not told yet
         self._wake = asyncio.Event()
         self._added = 0
         self._written = 0
         self._done = asyncio.Condition()
 
     def put(self, key: str, msg: Deltas | RequestError) -> None:
-        queued = self._pending.setdefault(key, [])
-        if isinstance(msg, Deltas) and queued and isinstance(queued[-1], Deltas):  # the writer fell behind
-            queued[-1] = Deltas([*queued[-1].deltas, *msg.deltas])  # one entry still
-        else:
-            queued.append(msg)
         self._added += 1
+        if key not in self._lost:
+            queued = self._pending.setdefault(key, [])
+            if isinstance(msg, Deltas) and queued and isinstance(queued[-1], Deltas):  # the writer fell behind
+                queued[-1] = Deltas([*queued[-1].deltas, *msg.deltas])  # one entry still
+            else:
+                queued.append(msg)
         self._wake.set()
+
+    def lost(self, key: str) -> bool:
+        """Output to ``key`` was dropped: the request is to be dispatched again, and aborted here."""
+        return key in self._lost
 
     async def flushed(self) -> None:
         """Until everything handed in so far is written (or given up on)."""
@@ -112,19 +129,34 @@ class OutWriter:
     async def run(self) -> None:
         while True:
             raise_if_cancelled()
-            await self._wake.wait()
+            if self._notices:  # lost streams' gateways are still to be told: try again soon without new output
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+            else:
+                await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(0)  # the other relays of this engine step hand theirs in meanwhile
             batch, self._pending, mark = self._pending, {}, self._added
+            if self._notices:
+                self._expire_lost()
+                for key, notice in self._notices.items():
+                    batch[key] = [notice]
             if batch:
                 await self._write(batch)
             async with self._done:
                 self._written = mark
                 self._done.notify_all()
 
+    def _expire_lost(self) -> None:
+        """Forget lost streams once they would have expired anyway (their gateways' deadlines fired)."""
+        horizon = time.monotonic() - self.ttl_s
+        for key in [k for k, at in self._lost.items() if at < horizon]:
+            del self._lost[key]
+            self._notices.pop(key, None)
+
     async def _write(self, batch: dict[str, list[Deltas | RequestError]]) -> None:
         for attempt in range(5):
-            pipe = self.r.pipeline(transaction=False)
+            pipe = self.r.pipeline(transaction=True)
             now = time.time()
             for key, msgs in batch.items():
                 for msg in msgs:
@@ -132,11 +164,23 @@ class OutWriter:
                 pipe.expire(key, self.ttl_s)
             try:
                 await pipe.execute()
-                return
             except RedisError as exc:
                 log.warning("could not write %d output streams (%r); retrying", len(batch), exc)
                 await asyncio.sleep(0.2 * (attempt + 1))
-        log.error("dropped the output of %d requests: Redis unreachable", len(batch))
+                continue
+            for key in batch:
+                self._notices.pop(key, None)
+            return
+        fresh = [key for key in batch if key not in self._lost]
+        for key in fresh:
+            rid = next((m.request_id if isinstance(m, RequestError) else m.deltas[0].request_id
+                        for m in batch[key] if isinstance(m, RequestError) or m.deltas), "")
+            self._lost[key] = time.monotonic()
+            self._notices[key] = RequestError(rid, "WorkerGone", "the worker's output was lost (Redis refused "
+                                                                 "its writes): dispatch the request again")
+        if fresh:
+            log.error("dropped the output of %d requests (Redis refused it); their gateways will dispatch them "
+                      "again", len(fresh))
 
 
 class Worker:
@@ -302,6 +346,11 @@ class Worker:
                 self._spawn(self._pin(msg.pin, None, None))
             try:
                 async for delta in stream:
+                    if self.writer.lost(out):  # its gateway dispatches it again: stop spending blocks on it
+                        self._spawn(self.engine.abort(add.request_id))
+                        async for _ in stream:
+                            pass
+                        break
                     self.writer.put(out, Deltas([delta]))
             except Exception as exc:  # noqa: BLE001 - the request failed; the worker serves on
                 self.writer.put(out, RequestError.of(add.request_id, exc))

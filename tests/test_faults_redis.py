@@ -1,6 +1,7 @@
 """Redis going away mid-reply, under a real ``chatsvc serve`` (tiny model): paused for writes longer than
-the client's socket timeout, and killed then restarted. The reply is kept in memory and stored exactly
-once when Redis is back, no lock is left behind, and the OpenAI routes (no Redis) keep serving."""
+the client's socket timeout, killed then restarted, and refusing writes (out of memory) when the finished reply
+is stored. The reply is kept in memory and stored exactly once when Redis is back, no lock is left behind, and
+the OpenAI routes (no Redis) keep serving."""
 
 from __future__ import annotations
 
@@ -111,3 +112,27 @@ def test_redis_killed_and_restarted_mid_reply(stack: tuple[Serve, PersistentRedi
         red.start()
 
     reply_through_outage(srv, red, restart)
+
+
+def engine_idle(srv: Serve) -> bool:
+    metrics = httpx.get(srv.url + "/metrics", timeout=5).text
+    return "chatsvc_requests_running 0.0" in metrics.splitlines()
+
+
+def test_redis_out_of_memory_when_the_finished_reply_is_stored(stack: tuple[Serve, PersistentRedis]) -> None:
+    srv, red = stack
+
+    def out_of_memory() -> None:
+        client = red.client()
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)  # every write is refused with OOM; reads go on
+        try:
+            deadline = time.monotonic() + 150
+            while not engine_idle(srv):  # the reply ends while Redis refuses its final writes
+                assert time.monotonic() < deadline, "the reply never ended"
+                time.sleep(0.2)
+            time.sleep(3.0)  # its store is tried, and refused, for a while
+        finally:
+            client.config_set("maxmemory", 0)
+
+    reply_through_outage(srv, red, out_of_memory)

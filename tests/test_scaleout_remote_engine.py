@@ -21,13 +21,14 @@ import redis
 import torch
 from gateway_fixtures import redis_proc  # noqa: F401
 from scaleout_workers import TINY_FLAGS, WorkerProc
+from timing import scaled
 
 from chatsvc.remote_engine import RemoteEngine
 from engine.client import StreamLimits
 from engine.grammar import GrammarSpec
-from engine.protocol import EngineDeadError, RequestDelta, StreamOverflowError
+from engine.protocol import EngineDeadError, ProtocolError, RequestDelta, StreamOverflowError, TransportError
 from engine.request import SamplingParams
-from engine.streams import Keys, read_pin
+from engine.streams import Generate, Keys, Message, encode, read_pin
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
@@ -238,6 +239,124 @@ async def test_abort_from_a_second_gateway_frees_the_blocks_on_the_worker(
         assert rest[-1].finish_reason == "abort" and rest[-1].completion_tokens < 450
     finally:
         await other.stop()
+    await wait_for(lambda: all(idle_and_free(w) for w in workers))
+
+
+async def test_an_undecodable_output_entry_fails_the_request_at_once(
+        gateway: RemoteEngine, redis_proc, workers: list[WorkerProc]) -> None:  # noqa: F811
+    client = redis.Redis.from_url(redis_proc.url, decode_responses=True)
+    client.delete(Keys().dead_letter)
+    params = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+    stream = gateway.generate("garbled", params, prompt_token_ids=list(range(3, 40)))
+    assert not (await anext(stream)).request_finished
+    dispatch = json.loads(route(redis_proc.url, Keys().request("garbled")) or "{}")["dispatch"]
+    client.xadd(Keys().out(dispatch), {"v": "2", "type": "deltas", "data": '{"deltas": null}'})
+    with pytest.raises(TransportError):  # an engine failure (503), not the caller's bad request
+        async for _ in stream:
+            pass
+    dead = [fields for _id, fields in client.xrange(Keys().dead_letter)]
+    assert [f["stream"] for f in dead] == [Keys().out(dispatch)] and "deltas" in dead[0]["reason"]
+    await wait_for(lambda: all(idle_and_free(w) for w in workers))  # aborted on its worker
+    # What a worker would refuse to decode is refused before it is sent, as the caller's bad request.
+    with pytest.raises(ProtocolError):
+        gateway.generate("too-many-stops", SamplingParams(stop=["ab"] * 100), prompt_token_ids=[5, 6])
+
+
+def newer_generate(msg: Message) -> dict[str, str]:
+    """A ``Generate`` as a gateway of a later format version sends it: no worker of this version decodes it."""
+    return {**encode(msg), "v": "9"} if isinstance(msg, Generate) else encode(msg)
+
+
+async def test_a_request_every_worker_drops_fails_after_the_progress_deadline(
+        redis_proc, tiny: Path, workers: list[WorkerProc], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    deadline_s = scaled(3.0)
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, progress_timeout_s=deadline_s)
+    await eng.start()
+    client = redis.Redis.from_url(redis_proc.url, decode_responses=True)
+    client.delete(Keys().dead_letter)
+    monkeypatch.setattr("chatsvc.remote_engine.encode", newer_generate)
+    try:
+        await wait_for(lambda: len(eng.workers) == 2)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match="no other engine worker is live"):
+            await asyncio.wait_for(run(eng, "skewed", [5, 6, 7], 4), scaled(60))
+        # Each worker was given its deadline in turn (the first one failed over), then the caller was told.
+        assert 2 * deadline_s <= time.monotonic() - started and eng.failovers == 1
+        dead = [fields for _id, fields in client.xrange(Keys().dead_letter)]
+        assert len(dead) == 2 and all("version" in f["reason"] for f in dead)
+        assert not await asyncio.to_thread(client.exists, Keys().request("skewed"))
+    finally:
+        await eng.stop()
+
+
+def worker_output_written(url: str, allowed: bool) -> None:
+    """Let the workers write their output streams, or not (every other key stays writable): Redis refusing a
+    worker's writes (memory pressure, a failover) for longer than its writer retries."""
+    conn = redis.Redis.from_url(url)
+    if allowed:
+        conn.execute_command("ACL", "SETUSER", "default", "resetkeys", "~*")
+    else:
+        conn.execute_command("ACL", "SETUSER", "default", "resetkeys", "%R~*", "%W~chatsvc:w*", "%W~chatsvc:route:*",
+                             "%W~chatsvc:pins", "%W~chatsvc:dead_letter", "%W~chatsvc:reply:*")
+
+
+async def test_output_the_worker_gave_up_on_is_failed_over_after_the_progress_deadline(
+        redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    prompt = [17 + (i * 3) % 200 for i in range(21)]
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, progress_timeout_s=scaled(8.0))
+    await eng.start()
+    try:
+        await wait_for(lambda: len(eng.workers) == 2)
+        reference = await run(eng, "given-up-ref", prompt, 24)
+        worker_output_written(redis_proc.url, allowed=False)
+        try:
+            reply = asyncio.create_task(run(eng, "given-up", prompt, 24))
+            await wait_for(lambda: any("dropped the output" in w.output() for w in workers), scaled(30))
+        finally:
+            worker_output_written(redis_proc.url, allowed=True)
+        got = await asyncio.wait_for(reply, scaled(60))
+        assert eng.failovers == 1  # the worker that dropped it is alive and well: the other one answered
+        assert tokens(got) == tokens(reference) and got[-1].completion_tokens == 24
+    finally:
+        await eng.stop()
+    await wait_for(lambda: all(idle_and_free(w) for w in workers))
+
+
+def engine_child(pid: int) -> int:
+    """The engine process a ``--engine process`` worker runs its engine in (not multiprocessing's helper)."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    engines = [c for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+async def test_a_wedged_worker_whose_beat_goes_on_is_failed_over_after_the_progress_deadline(
+        redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    wedged = WorkerProc(redis_proc.url, str(tiny), "wedged", *TINY_FLAGS, "--engine", "process", ttl_s=TTL_S)
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, progress_timeout_s=scaled(5.0))
+    await eng.start()
+    child = 0
+    try:
+        await asyncio.to_thread(wedged.wait_registered)
+        await wait_for(lambda: len(eng.workers) == 3)
+        prompt = [19 + (i * 11) % 230 for i in range(27)]
+        reference = await run(eng, "wedge-ref", prompt, 300)
+        redis.Redis.from_url(redis_proc.url).set(Keys().session("s-wedge"), wedged.id)  # its turns ran there
+        params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        stream = eng.generate("wedge", params, prompt_token_ids=prompt, session_id="s-wedge")
+        got = [await anext(stream)]
+        assert json.loads(route(redis_proc.url, Keys().request("wedge")) or "{}")["worker"] == wedged.id
+        child = engine_child(wedged.pid)
+        os.kill(child, signal.SIGSTOP)  # the engine stops; the worker's loop, and its beat, go on
+        got += [d async for d in stream]
+        assert wedged.id in eng.workers  # never taken for dead: only the progress deadline caught it
+        assert eng.failovers == 1 and tokens(got) == tokens(reference)
+        assert got[-1].completion_tokens == 300
+    finally:
+        if child:
+            os.kill(child, signal.SIGCONT)
+        await eng.stop()
+        await asyncio.to_thread(wedged.terminate)
     await wait_for(lambda: all(idle_and_free(w) for w in workers))
 
 
