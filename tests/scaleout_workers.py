@@ -75,3 +75,16 @@ class WorkerProc:
                 self.kill9()
         self.log.close()
         return int(self.proc.returncode)
+
+
+def worker_output_written(url: str, allowed: bool) -> None:
+    """Let the workers write their output streams (``chatsvc:out:*``), or not, every other key staying
+    writable: Redis refusing a worker's writes (memory pressure, a failover) for longer than its writer
+    retries. Through ACL write-key patterns of the default user, which every connection uses."""
+    conn = redis.Redis.from_url(url)
+    if allowed:
+        conn.execute_command("ACL", "SETUSER", "default", "resetkeys", "~*")
+    else:
+        # Read everywhere; read and write (a script's keys need both in one pattern) all but chatsvc:out*.
+        conn.execute_command("ACL", "SETUSER", "default", "resetkeys", "%R~*", "~[^c]*", "~c[^h]*",
+                             "~chatsvc:[^o]*", "~chatsvc:o[^u]*", "~chatsvc:ou[^t]*")

@@ -2,7 +2,8 @@
 on the tiny model: a session turn started through one gateway is cancelled, or kept alive and then aborted by
 the grace, through the other; a gateway killed with ``kill -9`` mid-reply hands the turn to the other, which
 relays the rest to a client resuming with ``Last-Event-ID`` and stores it once. A clean WebSocket close by the
-last reader, on the other gateway, aborts the turn at once.
+last reader, on the other gateway, aborts the turn at once. A turn whose worker sends nothing fails after the
+progress deadline with the session unlocked and nothing stored.
 
 The processes live for the whole module; the tests run in file order and the last one kills gateway A.
 """
@@ -19,12 +20,16 @@ import httpx
 import pytest
 import redis
 from gateway_fixtures import free_port, redis_proc  # noqa: F401
-from scaleout_workers import WorkerProc
+from scaleout_workers import WorkerProc, worker_output_written
 from serve_process import Serve, assert_alternating
+from timing import scaled
 from websockets.sync.client import connect
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GRACE_S = 1.5
+# Past the worker writer's retries (about 3 s), which the progress-deadline test outlasts; the module's other
+# replies stream without a pause that long.
+PROGRESS_TIMEOUT_S = 6.0
 # A reply the tests abort: long enough to outlast moving its readers between gateways and the grace on any
 # machine (3500 tokens of the tiny model ran out before the abort in a CI run on a 2-core Zen 5; attention's
 # cost grows with the context, so 12000 take many times as long).
@@ -44,8 +49,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stack(redis_proc, tiny: Path) -> Iterator[tuple[Serve, Serve, WorkerProc]]:  # noqa: F811
     redis.Redis.from_url(redis_proc.url).flushdb()
     worker = WorkerProc(redis_proc.url, str(tiny), "w", *WORKER_FLAGS, ttl_s=6.0)
-    gateways = [Serve(str(tiny), free_port(), redis_proc.url, "--engine", "redis", "--abort-grace", str(GRACE_S))
-                for _ in range(2)]
+    gateways = [Serve(str(tiny), free_port(), redis_proc.url, "--engine", "redis", "--abort-grace", str(GRACE_S),
+                      "--progress-timeout", str(scaled(PROGRESS_TIMEOUT_S))) for _ in range(2)]
     try:
         worker.wait_registered()
         for g in gateways:
@@ -183,6 +188,31 @@ def test_a_clean_websocket_close_by_the_last_reader_elsewhere_aborts_at_once(
     messages = stored(b.url, sid)
     assert_alternating(messages)
     assert messages[-1]["finish_reason"] == "abort" and messages[-1]["tokens"] < LONG_REPLY
+    wait_for(lambda: idle_and_free(worker))
+
+
+def test_a_turn_whose_worker_sends_nothing_fails_after_the_progress_deadline_unlocked(
+        stack: tuple[Serve, Serve, WorkerProc], redis_proc) -> None:  # noqa: F811
+    a, b, worker = stack
+    sid = session(a.url)
+    worker_output_written(redis_proc.url, allowed=False)  # the worker runs the request; its output is lost
+    try:
+        started = time.monotonic()
+        refused = httpx.post(f"{a.url}/v1/sessions/{sid}/messages", json=ask(sid, 8), timeout=scaled(120))
+        waited = time.monotonic() - started
+    finally:
+        worker_output_written(redis_proc.url, allowed=True)
+    # Not left waiting with the session locked: the one worker failed its deadline, and there is no other.
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_unavailable", refused.text
+    assert waited >= PROGRESS_TIMEOUT_S
+    view = httpx.get(f"{b.url}/v1/sessions/{sid}", timeout=10).json()
+    assert view["busy"] is False and view["messages"] == []  # rolled back: nothing stored, nothing twice
+    with httpx.Client() as client:
+        reply = SSE(client, "POST", f"{b.url}/v1/sessions/{sid}/messages", json=ask(sid, 8))
+        done = reply.rest()[-1][1]
+        reply.close()
+    assert done["type"] == "done" and done["usage"]["completion_tokens"] == 8
+    assert_alternating(stored(a.url, sid))
     wait_for(lambda: idle_and_free(worker))
 
 

@@ -20,7 +20,7 @@ import pytest
 import redis
 import torch
 from gateway_fixtures import redis_proc  # noqa: F401
-from scaleout_workers import TINY_FLAGS, WorkerProc
+from scaleout_workers import TINY_FLAGS, WorkerProc, worker_output_written
 from timing import scaled
 
 from chatsvc.remote_engine import RemoteEngine
@@ -287,17 +287,6 @@ async def test_a_request_every_worker_drops_fails_after_the_progress_deadline(
         assert not await asyncio.to_thread(client.exists, Keys().request("skewed"))
     finally:
         await eng.stop()
-
-
-def worker_output_written(url: str, allowed: bool) -> None:
-    """Let the workers write their output streams, or not (every other key stays writable): Redis refusing a
-    worker's writes (memory pressure, a failover) for longer than its writer retries."""
-    conn = redis.Redis.from_url(url)
-    if allowed:
-        conn.execute_command("ACL", "SETUSER", "default", "resetkeys", "~*")
-    else:
-        conn.execute_command("ACL", "SETUSER", "default", "resetkeys", "%R~*", "%W~chatsvc:w*", "%W~chatsvc:route:*",
-                             "%W~chatsvc:pins", "%W~chatsvc:dead_letter", "%W~chatsvc:reply:*")
 
 
 async def test_output_the_worker_gave_up_on_is_failed_over_after_the_progress_deadline(
