@@ -199,6 +199,7 @@ class RemoteEngine(EngineClient):
         self._unpinning: dict[str, asyncio.Task[Any]] = {}
         self._started = False
         self._stopping = False
+        self._released: set[str] = set()  # requests another gateway relays now (this one lost the turn)
 
     @classmethod
     def from_url(cls, url: str, model: str | None = None, **kwargs: Any) -> RemoteEngine:
@@ -388,7 +389,10 @@ class RemoteEngine(EngineClient):
             self._readers.pop(request_id, None)
             if where is not None:
                 self._pending[where[0]] -= 1
-                await self._end(request_id, where, aborted=not finished)
+                if request_id in self._released:
+                    self._released.discard(request_id)
+                else:
+                    await self._end(request_id, where, aborted=not finished)
 
     async def _bound_slow_readers(self) -> None:
         """Abort the requests whose caller stopped reading while their worker wrote on: past
@@ -577,7 +581,15 @@ class RemoteEngine(EngineClient):
             raise EngineDeadError(f"engine worker {worker} of an adopted request was lost: {exc}") from None
         finally:
             self._pending[worker] -= 1
-            await self._end(request_id, where, aborted=not finished)
+            if request_id in self._released:
+                self._released.discard(request_id)
+            else:
+                await self._end(request_id, where, aborted=not finished)
+
+    def release(self, request_id: str) -> None:
+        """Stop reading ``request_id`` without aborting it or deleting its keys: another gateway took its turn
+        over (this one lost the session lock) and relays it now."""
+        self._released.add(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it runs (this gateway's or another's)."""

@@ -56,8 +56,8 @@ from chatsvc.schemas import SessionMessage, resolve_max_tokens, session_not_foun
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
 from chatsvc.store.base import RETRIED_ERRORS
-from chatsvc.store.keys import stream_key
-from chatsvc.store.streams import settle
+from chatsvc.store.keys import lock_key, stream_key
+from chatsvc.store.streams import Fenced, settle
 from chatsvc.tools import parse_reply, unknown_tool_results
 from chatsvc.warm import SessionWarmer
 from chatsvc.wire import delta_event
@@ -71,6 +71,7 @@ TERMINAL = ("done", "error")
 # LOCK_TTL_S, so one slow beat (or a short Redis hiccup) neither makes this instance look dead nor loses a lock.
 HEARTBEAT_S = 3.0
 STORE_RETRY_S = 60.0  # how long a finished reply waits in memory for an unreachable Redis
+FENCED = -2  # end_turn's answer when another gateway holds the turn's lock
 READER_LEASE_S = 10.0  # a reader on another gateway counts this long after its gateway last renewed it
 PEER_POLL_S = 0.5  # how often a turn without local readers looks for readers on other gateways
 CONTROL_BLOCK_S = 1.0
@@ -120,6 +121,8 @@ class ActiveTurn:
     write_error: BaseException | None = None  # the first failed event write (logged once)
     stored: int | None = None  # end_turn's answer once the reply is stored
     lease: Lease = field(default_factory=Lease)  # the owner's quota place, given back when the turn ends
+    fenced: bool = False  # another gateway holds the session lock now: this one writes nothing more
+    storing: bool = False  # relaying is over; the reply is being stored
 
     def wake(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
@@ -165,7 +168,10 @@ class TurnRegistry:
             await self.store.heartbeat()
             for at in list(self.active.values()):
                 if at.stored is None and not await self.store.refresh_lock(at.session_id, at.turn):
-                    log.warning("turn %s lost its lock (recovered elsewhere?)", at.request_id)
+                    if await self.store.lock_holder(at.session_id) is not None:
+                        self._fence(at)  # another gateway took the turn over
+                    else:
+                        log.warning("turn %s lost its lock (recovered or deleted?)", at.request_id)
             for reader, (sid, turn) in list(self._holds.items()):
                 await self.store.hold_reader(sid, turn, reader, READER_LEASE_S)
             if isinstance(self.engine, Adoptable):
@@ -303,9 +309,25 @@ class TurnRegistry:
             reason = "interrupted"
         await self._store_reply(at, key, parts, reason, last, prompt_len)
 
+    def _fence(self, at: ActiveTurn) -> None:
+        """The turn's lock is another gateway's now (this one stalled past its TTL and the turn was taken
+        over, or recovered): stop relaying at once and write nothing more. Its request, which the other
+        gateway relays, is released rather than aborted."""
+        if at.fenced:
+            return
+        at.fenced = True
+        log.warning("turn %s lost its lock to another gateway: no longer relaying it", at.request_id)
+        if isinstance(self.engine, Adoptable):
+            self.engine.release(at.request_id)
+        at.abort_requested = True
+        if at.running and not at.storing and at.task is not None:
+            at.task.cancel()
+
     async def _store_reply(self, at: ActiveTurn, key: str, parts: list[str], reason: str, last: RequestDelta | None,
                            prompt_len: int) -> None:
-        """Store the reply (once), write its done event, and let the turn go."""
+        """Store the reply (once), write its done event, and let the turn go; a fenced turn stores nothing
+        (the gateway that holds its lock does)."""
+        at.storing = True
         u = usage(last.prompt_tokens if last else prompt_len,
                   last.completion_tokens if last else 0, last.cached_tokens if last else 0)
         # A reply written under a tool grammar that called tools is stored as its calls: a reply's text starts
@@ -320,8 +342,13 @@ class TurnRegistry:
         if calls:
             msg["tool_calls"] = calls
         try:
+            if at.fenced:
+                return
             deadline = time.monotonic() + self.store_retry_s
             at.stored = await self._retrying(at, deadline, lambda: self.store.end_turn(at.session_id, at.turn, msg))
+            if at.stored == FENCED:
+                self._fence(at)
+                return
             done: dict[str, Any] = {"type": "done", "finish_reason": reason, "usage": u, "message": msg}
             if at.truncated_turns:
                 done["truncated_turns"] = at.truncated_turns
@@ -393,6 +420,8 @@ class TurnRegistry:
 
         def written(eid: str | None, exc: BaseException | None) -> None:
             at.unwritten -= 1
+            if isinstance(exc, Fenced):
+                self._fence(at)
             if eid is not None:
                 at.log.append((eid, ev, data))
                 at.wake()
@@ -406,7 +435,8 @@ class TurnRegistry:
                 settle(stored, None, exc)
 
         at.unwritten += 1
-        self.writer.append(key, data, written, final=stored is not None)
+        fence = (lock_key(at.session_id), self.store.lock_token(at.turn))
+        self.writer.append(key, data, written, final=stored is not None, fence=fence)
 
     # -- readers ----------------------------------------------------------------------------------
     def attach(self, session_id: str, turn: int) -> ActiveTurn | None:

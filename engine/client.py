@@ -235,6 +235,11 @@ class Adoptable(Protocol):
         dispatched, or long over)."""
         ...
 
+    def release(self, request_id: str) -> None:
+        """This gateway stops reading the request, which another gateway now relays: closing its stream here
+        then neither aborts the request nor deletes what that gateway reads."""
+        ...
+
 
 async def relay_deltas(
     stream: DeltaQueue, on_exit: Callable[[bool], None]

@@ -11,7 +11,8 @@ from redis.exceptions import ResponseError
 from store_fixtures import append_event, store  # noqa: F401
 
 from chatsvc.store import Store
-from chatsvc.store.keys import stream_key
+from chatsvc.store.keys import lock_key, stream_key
+from chatsvc.store.streams import Fenced
 
 
 async def test_reply_stream_reads_after_an_id(store: Store) -> None:  # noqa: F811
@@ -42,6 +43,22 @@ async def test_a_failed_append_is_reported_in_its_place(store: Store) -> None:  
                                      (stream_key("good", 1), "{}")])
     assert isinstance(out[1], ResponseError) and "WRONGTYPE" in str(out[1])
     assert all(isinstance(e, str) for e in (out[0], out[2])) and str(out[0]) < str(out[2])
+
+
+async def test_an_event_is_written_only_under_its_writers_lock(store: Store) -> None:  # noqa: F811
+    key, lock = stream_key("f", 1), lock_key("f")
+    mine = (lock, "gw-a|n1|1")
+    await store.r.set(lock, "gw-a|n1|1")
+    assert all(isinstance(e, str) for e in await store.append_events([(key, '{"type": "delta"}', mine)]))
+    await store.r.set(lock, "gw-b|n2|1")  # taken over by another gateway
+    out = await store.append_events([(key, '{"type": "delta"}', mine), (key, '{"type": "delta"}', None)])
+    assert isinstance(out[0], Fenced) and isinstance(out[1], str)
+    await store.r.delete(lock)  # expired in an outage, nobody took it: still the writer's
+    assert isinstance((await store.append_events([(key, '{"type": "delta"}', mine)]))[0], str)
+    await store.append_events([(key, '{"type": "done"}', (lock, "gw-b|n2|1"))])  # the reply ended elsewhere
+    assert isinstance((await store.append_events([(key, '{"type": "delta"}', mine)]))[0], Fenced)
+    assert [e["type"] for _, e, _ in await store.read_events_json("f", 1, "0", block_ms=0)] == [
+        "delta", "delta", "delta", "done"]  # nothing after the done
 
 
 async def test_readers_count_while_their_lease_runs(store: Store) -> None:  # noqa: F811

@@ -57,9 +57,10 @@ async def test_the_lock_is_an_owner_token_with_a_short_ttl_released_only_by_its_
     await other.heartbeat()
     await store.heartbeat()
     assert await other.begin_turn(s.id, {"role": "user", "content": "me too"}) is None
-    assert await other.end_turn(s.id, 1, {"role": "assistant", "content": "not mine"}) == 1
-    assert await store.r.get(lock) == store.lock_token(1)  # stored once, but the lock stays its owner's
-    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "mine"}) == 0
+    # Fenced: a turn's reply is stored only under its lock (another instance's end_turn stores nothing).
+    assert await other.end_turn(s.id, 1, {"role": "assistant", "content": "not mine"}) == -2
+    assert await store.r.get(lock) == store.lock_token(1)
+    assert await store.end_turn(s.id, 1, {"role": "assistant", "content": "mine"}) == 1
     assert await store.r.get(lock) is None
     # A lock that expired is taken back while its turn is pending, and refreshed while held.
     assert await store.begin_turn(s.id, {"role": "user", "content": "two"}) == 2

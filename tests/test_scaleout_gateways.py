@@ -3,7 +3,8 @@ on the tiny model: a session turn started through one gateway is cancelled, or k
 the grace, through the other; a gateway killed with ``kill -9`` mid-reply hands the turn to the other, which
 relays the rest to a client resuming with ``Last-Event-ID`` and stores it once. A clean WebSocket close by the
 last reader, on the other gateway, aborts the turn at once. A turn whose worker sends nothing fails after the
-progress deadline with the session unlocked and nothing stored.
+progress deadline with the session unlocked and nothing stored. A gateway stalled past its lock while the other
+took the turn over writes nothing more into the reply once it resumes (fencing).
 
 The processes live for the whole module; the tests run in file order and the last one kills gateway A.
 """
@@ -11,6 +12,7 @@ The processes live for the whole module; the tests run in file order and the las
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +26,8 @@ from scaleout_workers import WorkerProc, worker_output_written
 from serve_process import Serve, assert_alternating
 from timing import scaled
 from websockets.sync.client import connect
+
+from chatsvc.store.keys import lock_key, stream_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 GRACE_S = 1.5
@@ -214,6 +218,44 @@ def test_a_turn_whose_worker_sends_nothing_fails_after_the_progress_deadline_unl
     assert done["type"] == "done" and done["usage"]["completion_tokens"] == 8
     assert_alternating(stored(a.url, sid))
     wait_for(lambda: idle_and_free(worker))
+
+
+@pytest.mark.long  # a gateway stalled past its instance TTL (10 s) before the other takes its turn over
+def test_a_gateway_that_stalled_past_its_lock_stops_relaying_once_it_resumes(
+        stack: tuple[Serve, Serve, WorkerProc], redis_proc) -> None:  # noqa: F811
+    a, b, worker = stack
+    assert a.proc is not None
+    client_r = redis.Redis.from_url(redis_proc.url, decode_responses=True)
+    sid = session(a.url)
+    with httpx.Client() as client:
+        reply = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(sid, LONG_REPLY))
+        seen = [reply.next() for _ in range(3)]
+        held = client_r.get(lock_key(sid))
+        a.proc.send_signal(signal.SIGSTOP)  # A's loop stalls: its heartbeat and lock lapse, its request runs on
+        try:
+            resumed = SSE(client, "GET", f"{b.url}/v1/sessions/{sid}/stream", headers={"Last-Event-ID": seen[-1][0]})
+            wait_for(lambda: client_r.get(lock_key(sid)) not in (None, held), scaled(60))  # B took the turn
+            resumed.next()
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        time.sleep(3.0)  # A relays on from where it stalled: every write it tries now is fenced
+        assert httpx.post(f"{b.url}/v1/sessions/{sid}/cancel", timeout=60).json()["cancelled"] is True
+        rest = resumed.rest()
+        resumed.close()
+        reply.close()
+    assert rest[-1][1]["type"] == "done" and rest[-1][1]["finish_reason"] == "abort"
+    events = [json.loads(fields["e"]) for _id, fields in client_r.xrange(stream_key(sid, 1))]
+    ends = [i for i, ev in enumerate(events) if ev["type"] in ("done", "error")]
+    assert ends == [len(events) - 1], events[-3:]  # one end, nothing written after it
+    done = events[-1]
+    # No token twice: A wrote nothing into the reply after B took it over.
+    assert sum(ev.get("tokens", 0) for ev in events[:-1]) == done["usage"]["completion_tokens"]
+    messages = stored(b.url, sid)
+    assert_alternating(messages)  # stored once, by B
+    assert messages[-1]["content"] == done["message"]["content"]
+    assert "lost its lock to another gateway" in a.output()
+    wait_for(lambda: idle_and_free(worker))
+    assert httpx.get(f"{a.url}/health", timeout=10).status_code == 200
 
 
 @pytest.mark.long

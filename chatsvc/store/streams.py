@@ -17,24 +17,54 @@ from chatsvc.store.keys import readers_key, stream_key
 
 T = TypeVar("T")
 
-# KEYS: one stream key per event; ARGV: the events' JSON, then the TTL. An XADD that fails comes back
-# as "!<error>" in its place (stream ids never start with "!"), so the others still stand.
+# KEYS: one stream key per event, then one lock key per event; ARGV: the events' JSON, then each one's fence
+# (the writer's lock token, '' for none), then the TTL. An XADD that fails comes back as "!<error>" in its place
+# (stream ids never start with "!"), so the others still stand. Fencing: an event whose lock is another's
+# token, or whose lock is gone once the reply ended (its terminal event written), is refused ("!FENCED"):
+# a gateway that lost its turn never writes into the reply after the gateway that took it over.
 _APPEND_EVENTS_LUA = """
+local n = #KEYS / 2
 local ttl = ARGV[#ARGV]
-local out = {}
-local seen = {}
-for i, key in ipairs(KEYS) do
-  local id = redis.pcall('XADD', key, '*', 'e', ARGV[i])
-  if type(id) == 'table' and id.err then out[i] = '!' .. id.err else out[i] = id end
-  seen[key] = true
+local out, seen, fenced = {}, {}, {}
+for i = 1, n do
+  local key, token = KEYS[i], ARGV[n + i]
+  if token ~= '' and fenced[key] == nil then
+    local lock = redis.call('GET', KEYS[n + i])
+    local ok = lock == token
+    if not lock then  -- expired in an outage, nobody took it: still ours unless the reply ended
+      ok = true
+      local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+      if last then
+        local good, ev = pcall(cjson.decode, last[2][2])
+        if good and type(ev) == 'table' and (ev.type == 'done' or ev.type == 'error') then ok = false end
+      end
+    end
+    fenced[key] = not ok
+  end
+  if token ~= '' and fenced[key] then
+    out[i] = '!FENCED the reply is written by the gateway that holds the session lock now'
+  else
+    local id = redis.pcall('XADD', key, '*', 'e', ARGV[i])
+    if type(id) == 'table' and id.err then out[i] = '!' .. id.err else out[i] = id end
+    seen[key] = true
+  end
 end
 for key in pairs(seen) do redis.pcall('EXPIRE', key, ttl) end
 return out
 """
 
 
+class Fenced(RuntimeError):
+    """An event of a turn whose lock this gateway no longer holds: it was not written, and the turn must stop."""
+
+
+# An event to append: (stream key, its JSON) or (stream key, its JSON, (lock key, the writer's lock token)).
+Fence = tuple[str, str]
+EventItem = tuple[str, str] | tuple[str, str, Fence | None]
+
+
 class StreamStore(RedisStore):
-    async def append_events(self, items: Sequence[tuple[str, str]]) -> list[str | Exception]:
+    async def append_events(self, items: Sequence[EventItem]) -> list[str | Exception]:
         """XADD every (stream key, event JSON) in order, in one command (a Lua script: atomic, and one
         reply to parse instead of several per event). Returns each one's stream id, or the error Redis
         answered for that XADD alone; a lost connection raises.
@@ -45,9 +75,11 @@ class StreamStore(RedisStore):
         """
         script = self._script(_APPEND_EVENTS_LUA)
         groups: dict[int, list[int]] = {}
-        for i, (key, _) in enumerate(items):
-            groups.setdefault(key_slot(key.encode()), []).append(i)
-        calls = [([items[i][0] for i in idxs], [*(items[i][1] for i in idxs), self.stream_ttl_s])
+        for i, item in enumerate(items):
+            groups.setdefault(key_slot(item[0].encode()), []).append(i)
+        fences = [item[2] if len(item) > 2 else None for item in items]  # type: ignore[misc]  # 3-tuples only
+        calls = [([*(items[i][0] for i in idxs), *((fences[i] or (items[i][0], ""))[0] for i in idxs)],
+                  [*(items[i][1] for i in idxs), *((fences[i] or ("", ""))[1] for i in idxs), self.stream_ttl_s])
                  for idxs in groups.values()]
         if len(calls) == 1:
             replies = [await script(keys=calls[0][0], args=calls[0][1])]
@@ -59,7 +91,10 @@ class StreamStore(RedisStore):
         out: list[str | Exception] = [""] * len(items)
         for idxs, res in zip(groups.values(), replies, strict=True):
             for i, eid in zip(idxs, res, strict=True):
-                out[i] = ResponseError(eid[1:]) if eid.startswith("!") else eid
+                if eid.startswith("!FENCED "):
+                    out[i] = Fenced(eid.removeprefix("!FENCED "))
+                else:
+                    out[i] = ResponseError(eid[1:]) if eid.startswith("!") else eid
         return out
 
     async def read_events_json(self, sid: str, turn: int, after: str,
@@ -126,13 +161,16 @@ class EventWriter:
 
     def __init__(self, store: StreamStore) -> None:
         self.store = store
-        self._queue: list[tuple[str, str, bool, WriteCallback]] = []
+        self._queue: list[tuple[str, str, bool, WriteCallback, Fence | None]] = []
         self._failed: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
-    def append(self, key: str, data: str, done: WriteCallback, final: bool = False) -> None:
-        """Queue one event (``data``: its JSON) for stream ``key``; ``done`` is called once it is written."""
-        self._queue.append((key, data, final, done))
+    def append(self, key: str, data: str, done: WriteCallback, final: bool = False,
+               fence: Fence | None = None) -> None:
+        """Queue one event (``data``: its JSON) for stream ``key``; ``done`` is called once it is written.
+        ``fence`` (lock key, the writer's lock token): written only while that lock is the writer's
+        (else ``done`` gets ``Fenced``)."""
+        self._queue.append((key, data, final, done, fence))
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="event-writer")
 
@@ -147,7 +185,7 @@ class EventWriter:
         self._failed.discard(key)
 
     async def _run(self) -> None:
-        todo: list[tuple[str, str, bool, WriteCallback]] = []
+        todo: list[tuple[str, str, bool, WriteCallback, Fence | None]] = []
         try:
             while self._queue:
                 batch, self._queue = self._queue, []
@@ -161,10 +199,10 @@ class EventWriter:
                     continue
                 results: list[str | Exception]
                 try:
-                    results = await self.store.append_events([(key, data) for key, data, _, _ in todo])
+                    results = await self.store.append_events([(key, data, fence) for key, data, _, _, fence in todo])
                 except Exception as exc:  # noqa: BLE001 - the whole batch is lost: every writer hears
                     results = [exc] * len(todo)
-                for (key, _, _, done), res in zip(todo, results, strict=True):
+                for (key, _, _, done, _), res in zip(todo, results, strict=True):
                     if isinstance(res, Exception):
                         self._failed.add(key)
                         done(None, res)
@@ -173,7 +211,7 @@ class EventWriter:
                 todo = []
         except BaseException as exc:  # cancelled (shutdown): nothing queued may wait forever
             pending, self._queue = todo + self._queue, []
-            for _, _, _, done in pending:
+            for _, _, _, done, _ in pending:
                 done(None, exc)
             raise
         finally:

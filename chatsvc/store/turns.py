@@ -110,9 +110,12 @@ return turn
 
 # ARGV[7]: owner token, [8]: turn, [9]: assistant message JSON. Stores the reply once (a retry after a
 # lost answer, or a turn recovered meanwhile, stores nothing), then releases the lock if still ours.
-# Returns 1 (stored), 0 (already stored or superseded) or -1 (the session was deleted).
+# Returns 1 (stored), 0 (already stored or superseded), -1 (the session was deleted) or -2 (fenced: another
+# gateway holds the lock; a lock that expired with nobody taking it is still ours).
 _END_TURN_LUA = _TURN_LUA_LIB + """
 local token, turn, out = ARGV[7], tonumber(ARGV[8]), -1
+local lock = redis.call('GET', KEYS[3])
+if lock and lock ~= token then return -2 end  -- fenced: the gateway that holds the lock now stores it
 if redis.call('EXISTS', KEYS[1]) == 1 then
   out = 0
   local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
@@ -230,7 +233,8 @@ class TurnStore(Liveness):
 
     async def end_turn(self, sid: str, turn: int, assistant_message: dict[str, Any]) -> int:
         """Store the reply of ``turn`` and release its lock. Idempotent, so it may be retried after a
-        lost answer: 1 stored now, 0 stored before (or recovered meanwhile), -1 the session is gone."""
+        lost answer: 1 stored now, 0 stored before (or recovered meanwhile), -1 the session is gone, -2
+        fenced (another gateway took the turn over: it stores it)."""
         out = await self._our_turn(_END_TURN_LUA, sid, turn, json.dumps(assistant_message))
         await self.r.srem(self.locks_key(), sid)
         return out
