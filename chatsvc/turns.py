@@ -19,6 +19,11 @@ turns of a dead one: it takes the lock (compare-and-set, so one gateway gets eac
 reply's events so far, and relays the rest of the request's output from where the dead gateway stopped,
 then stores the reply once. Otherwise a dead gateway's turn is recovered as ``interrupted``.
 
+Fencing: every event a turn writes, and its stored reply, carry the turn's lock token, checked in the
+Lua script. A gateway that lost the lock (it stalled past the TTL while another gateway took the turn over)
+has its first write refused and stops relaying at once; its request, which the other gateway relays, is
+released rather than aborted.
+
 Crash safety (see :mod:`chatsvc.store`): a turn is registered before the engine sees its request, its
 lock is refreshed by the registry's keep-alive task, which also recovers the turns of dead instances.
 If Redis is unreachable, generation goes on and the finished reply waits in memory while
