@@ -77,7 +77,7 @@ class StreamStore(RedisStore):
         groups: dict[int, list[int]] = {}
         for i, item in enumerate(items):
             groups.setdefault(key_slot(item[0].encode()), []).append(i)
-        fences = [item[2] if len(item) > 2 else None for item in items]  # type: ignore[misc]  # 3-tuples only
+        fences = [item[2] if len(item) > 2 else None for item in items]  # a 2-tuple has no fence
         calls = [([*(items[i][0] for i in idxs), *((fences[i] or (items[i][0], ""))[0] for i in idxs)],
                   [*(items[i][1] for i in idxs), *((fences[i] or ("", ""))[1] for i in idxs), self.stream_ttl_s])
                  for idxs in groups.values()]
