@@ -13,8 +13,9 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -24,11 +25,12 @@ from scaleout_workers import TINY_FLAGS, WorkerProc, worker_output_written
 from timing import scaled
 
 from chatsvc.remote_engine import RemoteEngine
+from chatsvc.router import Router
 from engine.client import StreamLimits
 from engine.grammar import GrammarSpec
 from engine.protocol import EngineDeadError, ProtocolError, RequestDelta, StreamOverflowError, TransportError
 from engine.request import SamplingParams
-from engine.streams import Generate, Keys, Message, encode, read_pin
+from engine.streams import Beat, Generate, Keys, Message, encode, read_pin
 
 pytestmark = pytest.mark.integration
 BLOCK = 16
@@ -242,6 +244,60 @@ async def test_abort_from_a_second_gateway_frees_the_blocks_on_the_worker(
     await wait_for(lambda: all(idle_and_free(w) for w in workers))
 
 
+class FirstTo(Router):
+    """Places a request's first dispatch on the worker named ``name`` (the one the test wedges); failovers
+    as the affinity policy does."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def choose(self, workers: Sequence[Beat], **kwargs: Any) -> Beat | None:
+        if not kwargs.get("failover"):
+            first = next((w for w in workers if w.worker.startswith(f"{self.name}-")), None)
+            if first is not None:
+                return first
+        return super().choose(workers, **kwargs)
+
+
+def engine_child(pid: int) -> int:
+    """The engine process a ``--engine process`` worker runs its engine in (not multiprocessing's helper)."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    engines = [c for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(engines) == 1, children
+    return engines[0]
+
+
+async def test_a_wedged_worker_whose_beat_goes_on_is_failed_over_after_the_progress_deadline(
+        redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
+    wedged = WorkerProc(redis_proc.url, str(tiny), "wedged", *TINY_FLAGS, "--engine", "process", ttl_s=TTL_S)
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, progress_timeout_s=scaled(5.0),
+                                router=FirstTo(wedged.name))
+    await eng.start()
+    child = 0
+    try:
+        await asyncio.to_thread(wedged.wait_registered)
+        await wait_for(lambda: len(eng.workers) == 3)
+        prompt = [19 + (i * 11) % 230 for i in range(27)]
+        reference = await run(eng, "wedge-ref", prompt, 300)
+        params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        stream = eng.generate("wedge", params, prompt_token_ids=prompt)
+        got = [await anext(stream)]
+        assert json.loads(route(redis_proc.url, Keys().request("wedge")) or "{}")["worker"] == wedged.id
+        child = engine_child(wedged.pid)
+        os.kill(child, signal.SIGSTOP)  # the engine stops; the worker's loop, and its beat, go on
+        got += [d async for d in stream]
+        assert wedged.id in eng.workers  # never taken for dead: only the progress deadline caught it
+        assert eng.failovers == 1 and tokens(got) == tokens(reference)
+        assert got[-1].completion_tokens == 300
+    finally:
+        if child:
+            os.kill(child, signal.SIGCONT)
+        await eng.stop()
+        await asyncio.to_thread(wedged.terminate)
+    await wait_for(lambda: all(idle_and_free(w) for w in workers))
+
+
 async def test_an_undecodable_output_entry_fails_the_request_at_once(
         gateway: RemoteEngine, redis_proc, workers: list[WorkerProc]) -> None:  # noqa: F811
     client = redis.Redis.from_url(redis_proc.url, decode_responses=True)
@@ -308,44 +364,6 @@ async def test_output_the_worker_gave_up_on_is_failed_over_after_the_progress_de
         assert tokens(got) == tokens(reference) and got[-1].completion_tokens == 24
     finally:
         await eng.stop()
-    await wait_for(lambda: all(idle_and_free(w) for w in workers))
-
-
-def engine_child(pid: int) -> int:
-    """The engine process a ``--engine process`` worker runs its engine in (not multiprocessing's helper)."""
-    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    engines = [c for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
-    assert len(engines) == 1, children
-    return engines[0]
-
-
-async def test_a_wedged_worker_whose_beat_goes_on_is_failed_over_after_the_progress_deadline(
-        redis_proc, tiny: Path, workers: list[WorkerProc]) -> None:  # noqa: F811
-    wedged = WorkerProc(redis_proc.url, str(tiny), "wedged", *TINY_FLAGS, "--engine", "process", ttl_s=TTL_S)
-    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), poll_s=0.1, progress_timeout_s=scaled(5.0))
-    await eng.start()
-    child = 0
-    try:
-        await asyncio.to_thread(wedged.wait_registered)
-        await wait_for(lambda: len(eng.workers) == 3)
-        prompt = [19 + (i * 11) % 230 for i in range(27)]
-        reference = await run(eng, "wedge-ref", prompt, 300)
-        redis.Redis.from_url(redis_proc.url).set(Keys().session("s-wedge"), wedged.id)  # its turns ran there
-        params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
-        stream = eng.generate("wedge", params, prompt_token_ids=prompt, session_id="s-wedge")
-        got = [await anext(stream)]
-        assert json.loads(route(redis_proc.url, Keys().request("wedge")) or "{}")["worker"] == wedged.id
-        child = engine_child(wedged.pid)
-        os.kill(child, signal.SIGSTOP)  # the engine stops; the worker's loop, and its beat, go on
-        got += [d async for d in stream]
-        assert wedged.id in eng.workers  # never taken for dead: only the progress deadline caught it
-        assert eng.failovers == 1 and tokens(got) == tokens(reference)
-        assert got[-1].completion_tokens == 300
-    finally:
-        if child:
-            os.kill(child, signal.SIGCONT)
-        await eng.stop()
-        await asyncio.to_thread(wedged.terminate)
     await wait_for(lambda: all(idle_and_free(w) for w in workers))
 
 
