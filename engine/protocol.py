@@ -32,7 +32,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict  # pydantic reads typing's TypedDict only from Python 3.12
 
-from engine.request import SamplingParams
+from engine.request import MAX_CACHE_SALT_CHARS, SamplingParams
 
 __all__ = [
     "PROTOCOL_VERSION", "SNAPSHOT_WINDOW_S", "QueueFullError", "EngineDeadError", "StreamOverflowError", "TransportError",
@@ -240,6 +240,8 @@ class _ParamsJson(TypedDict, total=False):
     early_stopping: Annotated[bool, Strict()] | Literal["never"]
     grammar: _GrammarJson | None
     reserve_output_tokens: Annotated[int, Strict(), Ge(1), Le(MAX_TOKENS_PER_MESSAGE)] | None
+    cache_salt: Annotated[str, MaxLen(MAX_CACHE_SALT_CHARS)] | None
+    shared_prefix_tokens: Annotated[int, Strict(), Ge(0), Le(MAX_TOKENS_PER_MESSAGE)]
 
 
 def _params(data: Any) -> SamplingParams:
