@@ -24,7 +24,9 @@ from chatsvc.store.keys import messages_key
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400),
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")]
 DRAIN_S = 3.0  # on the reference machine: the short reply finishes well inside it, the long one cannot
-LONG = 3500  # tokens: still running when the drain times out
+# Tokens: still running when the drain times out, however far the limits scale (the tiny model writes a token
+# in a few milliseconds: 3,500 could finish inside a drain scaled up on a busy machine).
+LONG = 16_000
 
 
 class Reply(threading.Thread):
@@ -61,8 +63,8 @@ def test_sigterm_drains_in_flight_turns_then_exits_0(redis_proc, tmp_path: Path)
     from tiny_model import make_tiny_model_dir
 
     redis.Redis.from_url(redis_proc.url).flushdb()
-    model = make_tiny_model_dir(tmp_path, max_position_embeddings=4096)
-    srv = Serve(str(model), free_port(), redis_proc.url, "--max-model-len", "4096", "--num-kv-blocks", "320",
+    model = make_tiny_model_dir(tmp_path, max_position_embeddings=16_384)
+    srv = Serve(str(model), free_port(), redis_proc.url, "--max-model-len", "16384", "--num-kv-blocks", "1100",
                 "--drain-timeout", str(scaled(DRAIN_S)))
     srv.start()
     try:
