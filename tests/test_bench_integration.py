@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from timing import scaled
 
 from chatsvc.cli import main as chatsvc_main
 
@@ -43,7 +44,7 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + scaled(180)
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"chatsvc serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
