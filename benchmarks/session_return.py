@@ -174,24 +174,14 @@ def measure_length(length: int, a: argparse.Namespace, disk_root: Path) -> dict[
     result: dict[str, Any] = {"pool_blocks": pool_blocks, "host_blocks": host_blocks,
                               "blocks_per_session": blocks_per_session}
 
-    sessions = [Session(f"s{i}", list(h)) for i, h in enumerate(histories)]
-    build, _ = round_of(off, sessions, 0, params, 0.0)
-    back, cached = round_of(off, sessions, 1, params, a.think_s)
-    result["off_build"] = summary(build)
-    result["off_return"] = summary(back)
-    result["off_cached_tokens"] = summary([float(c) for c in cached])
+    build_and_return(off, histories, params, a.think_s, "off", result)
     del off
 
     disk_dir = disk_root / f"kv-{length}"
     tier_args = {"kv_host_bytes": host_blocks * block_bytes, "kv_disk_dir": str(disk_dir),
                  "kv_disk_bytes": 64 << 30}
     tiers = engine(**tier_args)
-    sessions = [Session(f"s{i}", list(h)) for i, h in enumerate(histories)]
-    build, _ = round_of(tiers, sessions, 0, params, 0.0)
-    back, cached = round_of(tiers, sessions, 1, params, a.think_s)
-    result["tiers_build"] = summary(build)
-    result["tiers_return"] = summary(back)
-    result["tiers_cached_tokens"] = summary([float(c) for c in cached])
+    sessions = build_and_return(tiers, histories, params, a.think_s, "tiers", result)
     result["tiers_hits"] = tier_hits(tiers)
     warmed, cached = round_of(tiers, sessions, 2, params, a.think_s, warm=True)
     result["warm_return"] = summary(warmed)
@@ -217,6 +207,19 @@ def measure_length(length: int, a: argparse.Namespace, disk_root: Path) -> dict[
     del restarted
     shutil.rmtree(disk_dir, ignore_errors=True)
     return result
+
+
+def build_and_return(engine: LLMEngine, histories: list[list[int]], params: SamplingParams, think_s: float,
+                     phase: str, result: dict[str, Any]) -> list[Session]:
+    """Each session's history built (turn 0), then each one back after the others (turn 1): TTFTs and cached
+    tokens under ``phase`` in ``result``. Returns the sessions, for the phases that follow."""
+    sessions = [Session(f"s{i}", list(h)) for i, h in enumerate(histories)]
+    build, _ = round_of(engine, sessions, 0, params, 0.0)
+    back, cached = round_of(engine, sessions, 1, params, think_s)
+    result[f"{phase}_build"] = summary(build)
+    result[f"{phase}_return"] = summary(back)
+    result[f"{phase}_cached_tokens"] = summary([float(c) for c in cached])
+    return sessions
 
 
 def ratio(num: float, den: float) -> float | None:
