@@ -143,5 +143,11 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = ()
 
+    def cached_block_ids(self) -> list[int]:
+        """Every block findable by its hash, least recently used first: the free ones in the order eviction
+        would take them, then those in use."""
+        in_use = [b.block_id for b in self.blocks if b.block_hash is not None and b.ref_count > 0]
+        return [*self._free_cached, *in_use]
+
     def free_block_ids(self) -> set[int]:
         return set(self._free_uncached) | set(self._free_cached)

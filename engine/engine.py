@@ -170,7 +170,7 @@ class LLMEngine:
             fmt = block_format(self.runner.host_cache, str(self.model_path), self.dtype)
             disk = DiskStore(config.kv_disk_dir, fmt, config.kv_disk_bytes)
         tiers = KVTiers(self.block_manager, self.cache_config.num_host_blocks, disk)
-        return tiers, TierIO(self.runner.host_cache, tiers, disk)
+        return tiers, TierIO(self.runner.host_cache, tiers, disk, self.runner.kv_cache)
 
     def close(self) -> None:
         """Put the host tier's blocks on disk and finish the writes: a restart on the same directory finds

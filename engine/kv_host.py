@@ -28,25 +28,33 @@ def block_format(host_cache: Tensor, model: str, dtype: torch.dtype) -> BlockFor
 
 
 class TierIO:
-    def __init__(self, host_cache: Tensor, tiers: KVTiers, disk: DiskStore | None) -> None:
+    def __init__(self, host_cache: Tensor, tiers: KVTiers, disk: DiskStore | None,
+                 device_cache: Tensor | None = None) -> None:
         self.storage = host_cache.transpose(3, 4)  # [layers, 2, blocks, heads, block_size, dim], contiguous
+        # The device pool in the same layout: read only when the engine closes.
+        self.device_storage = None if device_cache is None else device_cache.transpose(3, 4)
         self.tiers = tiers
         self.disk = disk
 
-    def spill(self, spills: tuple[tuple[int, bytes, tuple[int, ...]], ...]) -> None:
+    def spill(self, spills: tuple[tuple[int, bytes, tuple[int, ...]], ...], storage: Tensor | None = None) -> None:
+        """Hand blocks of ``storage`` (the host tier's unless given) to the disk tier."""
         if self.disk is None:
             return
-        for host_id, block_hash, tokens in spills:
+        source = self.storage if storage is None else storage
+        for block_id, block_hash, tokens in spills:
             # Copied out now (bytes of its own): this step's offloads reuse the host block.
-            payload = self.storage[:, :, host_id].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
-            self.disk.write(block_hash, tokens, payload)
+            block = source[:, :, block_id].contiguous().view(torch.uint8).reshape(-1)
+            self.disk.write(block_hash, tokens, block.cpu().numpy().tobytes())
 
     def close(self) -> None:
-        """Spill what only the host tier holds and wait for the disk tier's writes. The threads stay: an
-        engine whose loop ends may be driven again (and its tiers keep working)."""
+        """Put every cached block the disk tier lacks on disk and wait for the writes: the host tier's, then
+        the device pool's (the conversations active last, written last so the disk's LRU keeps them longest).
+        The threads stay: an engine whose loop ends may be driven again (and its tiers keep working)."""
         if self.disk is None:
             return
         self.spill(self.tiers.host_only_blocks())
+        if self.device_storage is not None:
+            self.spill(self.tiers.device_only_blocks(), self.device_storage)
         self.disk.flush()
 
     def install_reads(self) -> None:

@@ -305,6 +305,15 @@ class KVTiers:
         return tuple((b.block_id, b.block_hash, b.token_ids) for b in cached
                      if b.block_hash is not None and not self.disk.contains(b.block_hash, b.token_ids))
 
+    def device_only_blocks(self) -> tuple[tuple[int, bytes, tuple[int, ...]], ...]:
+        """Cached device blocks the disk tier lacks, least recently used first (as ``spill`` entries, with
+        device block ids): the conversations active last, which no eviction has moved down yet."""
+        if self.disk is None:
+            return ()
+        blocks = [self.device.blocks[i] for i in self.device.cached_block_ids()]
+        return tuple((b.block_id, b.block_hash, b.token_ids) for b in blocks
+                     if b.block_hash is not None and not self.disk.contains(b.block_hash, b.token_ids))
+
     def forget(self, request_id: str) -> None:
         """The request is finished or aborted; blocks still being read for it are installed all the same."""
         self._waiting_on.pop(request_id, None)

@@ -88,6 +88,17 @@ def test_cached_blocks_evicted_least_recently_freed_first() -> None:
     _check(pool)
 
 
+def test_cached_block_ids_lists_free_ones_in_eviction_order_then_those_in_use() -> None:
+    pool = BlockPool(4)
+    ids = [pool.allocate().block_id for _ in range(4)]
+    for block_id in (ids[2], ids[0]):
+        _cache_and_free(pool, block_id, (block_id, 7))
+    pool.cache(ids[3], hash_block(None, (ids[3], 7)), (ids[3], 7))  # cached and still held
+    assert pool.cached_block_ids() == [ids[2], ids[0], ids[3]]  # ids[1]: held, never cached
+    assert pool.allocate().block_id == ids[2]
+    assert pool.cached_block_ids() == [ids[0], ids[3]]
+
+
 def test_hit_takes_a_cached_block_off_the_free_list() -> None:
     pool = BlockPool(2)
     a = pool.allocate().block_id

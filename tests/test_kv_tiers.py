@@ -197,7 +197,8 @@ def test_disk_tier_restores_what_the_host_tier_pushed_out(tiny_dir: Path, tmp_pa
 
 def _after_restart(tiny_dir: Path, disk_dir: Path, model_dir: Path | None = None
                    ) -> tuple[list[list[int]], list[list[int]]]:
-    """Run the first turns on an engine with a disk tier and shut it down (its host tier goes to disk)."""
+    """Run the first turns on an engine with a disk tier and shut it down (its host tier and its pool's
+    cached blocks go to disk)."""
     llm = _disk_llm(model_dir or tiny_dir, disk_dir)
     convs = _conversations()
     replies = _first_turns(llm, convs)
@@ -208,11 +209,24 @@ def _after_restart(tiny_dir: Path, disk_dir: Path, model_dir: Path | None = None
 def test_restart_restores_from_the_disk_tier(tiny_dir: Path, tmp_path: Path, recomputed: Any) -> None:
     convs, replies = _after_restart(tiny_dir, tmp_path)
     files = len(list(tmp_path.glob(f"*{SUFFIX}")))
-    assert files >= 6 * 17 - 24  # every evicted block and the host tier's: all but what the pool kept
+    assert files == 6 * 17  # every full block: the evicted ones, the host tier's and those the pool held
     llm = _disk_llm(tiny_dir, tmp_path)
     assert llm.stats().kv_disk_blocks == files
     tokens, cached = _return(llm, convs, replies)
     assert tokens == recomputed[1] and cached == 68
+    assert llm.stats().kv_disk_hit_blocks == 17
+
+
+def test_restart_restores_the_conversation_the_pool_held(tiny_dir: Path, tmp_path: Path) -> None:
+    """The last conversation before a shutdown was still in the device pool, never evicted down a tier:
+    closing the engine writes it too, so it is the first to come back after the restart."""
+    convs, replies = _after_restart(tiny_dir, tmp_path)
+    last = convs[-1] + replies[-1] + [5, 6, 7]
+    expected = _tiny(tiny_dir).generate(prompt_token_ids=[last], sampling_params=PARAMS)[0].outputs[0].token_ids
+    llm = _disk_llm(tiny_dir, tmp_path)
+    back = llm.generate(prompt_token_ids=[last], sampling_params=PARAMS)[0]
+    llm.engine.block_manager.check_invariants()
+    assert back.outputs[0].token_ids == expected and back.num_cached_tokens == 68
     assert llm.stats().kv_disk_hit_blocks == 17
 
 
