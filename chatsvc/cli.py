@@ -21,6 +21,7 @@ from chatsvc.settings import Settings, api_keys_from_env, default_data_dir, flag
 from chatsvc.worker import DEFAULT_TTL_S, DRAIN_TIMEOUT_S
 from engine.client import EngineClient
 from engine.config import EngineConfig, literal_choices
+from engine.kv_disk import kv_home
 
 log = logging.getLogger("chatsvc")
 
@@ -248,7 +249,10 @@ def worker(args: argparse.Namespace) -> int:
     from chatsvc.worker import Worker, worker_id
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build_engine(engine_config(args), args.engine)
+    config = engine_config(args)
+    engine = build_engine(config, args.engine)
+    # Sessions whose blocks this worker's disk tier holds come back to whichever process serves that directory.
+    home = kv_home(config.kv_disk_dir) if config.kv_disk_bytes and config.kv_disk_dir else ""
 
     async def run() -> int:
         stop = asyncio.Event()
@@ -260,7 +264,7 @@ def worker(args: argparse.Namespace) -> int:
                                          retry_on_error=list(REFUSED_ERRORS))
         try:
             return await Worker(engine, client, worker_id(args.name), ttl_s=args.heartbeat_ttl,
-                                drain_timeout_s=args.drain_timeout).run(stop)
+                                drain_timeout_s=args.drain_timeout, kv_home=home).run(stop)
         finally:
             await client.aclose()
 

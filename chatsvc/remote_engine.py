@@ -337,7 +337,7 @@ class RemoteEngine(EngineClient):
                 reader = self._readers[request_id] = _Reader(worker.worker, where[1], base,
                                                              1 + (params.logprobs or 0), read=base)
                 msg = Generate(AddRequest(request_id, self._rest(params, base), prompt_ids + streamed), where[1], pin)
-                await self._send(worker.worker, msg, session_id, base, len(prompt_ids))
+                await self._send(worker, msg, session_id, base, len(prompt_ids))
                 try:
                     async for delta in self._read(*where, base, len(prompt_ids)):
                         cut = detok is not None and self._retext(detok, delta)
@@ -456,15 +456,15 @@ class RemoteEngine(EngineClient):
 
     async def _place(self, session_id: str | None, pin: str | None, failover: bool,
                      refused: set[str] | frozenset[str] = frozenset()) -> Beat:
-        session_worker = None
+        session_home = None
         if session_id is not None and not failover:
-            session_worker = await self.r.get(self.keys.session(session_id))
+            session_home = await self.r.get(self.keys.session(session_id))
         deadline = time.monotonic() + self.wait_for_worker_s
         while True:
             raise_if_cancelled()
             candidates = [b for b in self.workers.values() if b.worker not in refused]
             worker = self.router.choose(candidates, pending=self._pending, pinning=self._pinning,
-                                        session_worker=session_worker, pin=pin, failover=failover)
+                                        session_home=session_home, pin=pin, failover=failover)
             if worker is not None:
                 if pin is not None and pin not in worker.pins:
                     self._pinning.setdefault(worker.worker, set()).add(pin)
@@ -474,14 +474,14 @@ class RemoteEngine(EngineClient):
                 raise EngineDeadError("no engine worker is alive")
             await asyncio.sleep(self.poll_s)
 
-    async def _send(self, worker: str, msg: Generate, session_id: str | None, base: int, prompt_len: int) -> None:
+    async def _send(self, worker: Beat, msg: Generate, session_id: str | None, base: int, prompt_len: int) -> None:
         k = self.keys
         pipe = self.r.pipeline(transaction=False)
-        route = {"worker": worker, "dispatch": msg.dispatch, "base": base, "prompt_tokens": prompt_len}
+        route = {"worker": worker.worker, "dispatch": msg.dispatch, "base": base, "prompt_tokens": prompt_len}
         pipe.set(k.request(msg.add.request_id), json.dumps(route), ex=ROUTE_TTL_S)
         if session_id is not None:
-            pipe.set(k.session(session_id), worker, ex=self.session_ttl_s)
-        pipe.xadd(k.requests(worker), encode(msg))
+            pipe.set(k.session(session_id), worker.home, ex=self.session_ttl_s)
+        pipe.xadd(k.requests(worker.worker), encode(msg))
         await pipe.execute()
 
     async def _read(self, worker: str, dispatch: str, base: int,

@@ -4,7 +4,9 @@ Pure decision logic over the workers' last heartbeats (``engine.streams.Beat``);
 ``RemoteEngine`` feeds it and keeps the session -> worker records in Redis.
 
 * ``session``: the session's previous turn ran on a worker that is alive and within the load bound: its
-  blocks (the whole conversation so far) are cached there, so the next prompt is mostly a cache hit.
+  blocks (the whole conversation so far) are cached there, so the next prompt is mostly a cache hit. The
+  record names the worker's KV home (``Beat.home``): with a disk tier that is its directory, so a worker
+  restarted on it (a new process, a new id) still gets the sessions whose blocks it can read back.
 * ``persona``: a new session (or one whose worker is gone or over the bound) whose prompt starts with a
   pinned prefix goes to the least loaded worker that has that prefix pinned and is within the bound.
 * ``load``: otherwise the least loaded worker (running + waiting requests, then the most free blocks).
@@ -40,10 +42,12 @@ class Router:
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
 
     def choose(self, workers: Sequence[Beat], *, pending: Mapping[str, int] | None = None,
-               pinning: Mapping[str, Collection[str]] | None = None, session_worker: str | None = None,
+               pinning: Mapping[str, Collection[str]] | None = None, session_home: str | None = None,
                pin: str | None = None, failover: bool = False) -> Beat | None:
         """The worker for a request, counted under its reason; None when no worker takes requests.
 
+        ``session_home``: where the session's last turn left its KV (a ``Beat.home``, or a worker id as
+        records written before homes were);
         ``pending``: requests this gateway dispatched per worker that its last beat may not count yet;
         ``pinning``: pin keys this gateway asked a worker to pin that its last beat may not list yet.
         """
@@ -62,10 +66,10 @@ class Router:
             return self._count("failover" if failover else "random", self.rng.choice(live))
         bound = math.ceil(self.load_factor * (sum(load(w) for w in live) + 1) / len(live))
         if not failover:
-            if session_worker is not None:
-                for w in live:
-                    if w.worker == session_worker and load(w) < bound:
-                        return self._count("session", w)
+            if session_home is not None:
+                homes = [w for w in live if session_home in (w.home, w.worker) and load(w) < bound]
+                if homes:
+                    return self._count("session", min(homes, key=rank))
             if pin is not None:
                 pinned = [w for w in live if (pin in w.pins or pin in (pinning or {}).get(w.worker, ()))
                           and load(w) < bound]

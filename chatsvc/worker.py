@@ -185,10 +185,11 @@ class OutWriter:
 
 class Worker:
     def __init__(self, engine: EngineClient, redis: Any, worker: str | None = None, *, keys: Keys | None = None,
-                 ttl_s: float = DEFAULT_TTL_S, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+                 ttl_s: float = DEFAULT_TTL_S, drain_timeout_s: float = DRAIN_TIMEOUT_S, kv_home: str = "") -> None:
         self.engine = engine
         self.r = redis
         self.id = worker or worker_id()
+        self.kv_home = kv_home  # the disk tier's lasting name (engine.kv_disk.kv_home), "" without one
         self.keys = keys or Keys()
         self.ttl_s = ttl_s
         self.drain_timeout_s = drain_timeout_s
@@ -271,7 +272,7 @@ class Worker:
     def beat(self) -> Beat:
         return Beat(worker=self.id, pid=os.getpid(), host=socket.gethostname(), model_name=self.engine.model_name,
                     max_model_len=self.engine.max_model_len, block_size=self.block_size, time=time.time(),
-                    draining=self.draining, pins=sorted(self.pins), stats=self.engine.stats())
+                    draining=self.draining, pins=sorted(self.pins), stats=self.engine.stats(), kv_home=self.kv_home)
 
     async def _beat(self) -> bool:
         """Write the beat; False when this worker is no longer registered (declared dead meanwhile)."""

@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import struct
 import threading
 from collections import OrderedDict
@@ -265,4 +266,22 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-__all__ = ["BadBlockFile", "BlockFormat", "DiskStore", "FORMAT_VERSION", "MAGIC"]
+HOME_FILE = "kv-home"
+
+
+def kv_home(directory: str | os.PathLike[str]) -> str:
+    """The lasting name of a disk tier's directory, made on first use: an engine restarted on the directory
+    holds the same blocks under a new process, and routing by this name finds them (chatsvc.router)."""
+    path = Path(directory) / HOME_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)  # the first of racing starters wins
+        with os.fdopen(fd, "w") as f:
+            f.write(f"kv-{secrets.token_hex(8)}\n")
+    name = path.read_text().strip()
+    if not name:  # a starter that lost the race read before the winner wrote
+        raise RuntimeError(f"{path} is empty; it names the disk tier's directory (delete it to make a new one)")
+    return name
+
+
+__all__ = ["BadBlockFile", "BlockFormat", "DiskStore", "FORMAT_VERSION", "HOME_FILE", "MAGIC", "kv_home"]

@@ -25,8 +25,9 @@ Keys (``P`` is ``chatsvc:``; ``{id}`` a worker id, unique per worker process: a 
   entries (every delta one engine step produced for it, in one entry) and at most one ``RequestError``. The
   dispatching gateway reads it with XREAD BLOCK. A request re-dispatched after a worker died gets a new
   dispatch id, so a late write of the dead worker can never mix into the new stream.
-* ``P route:session:{sid}`` (string, TTL): the worker that served the session's last turn (its prefix
-  blocks are cached there): the explicit session -> worker record the router reads.
+* ``P route:session:{sid}`` (string, TTL): the KV home (``Beat.home``) of the worker that served the
+  session's last turn (its prefix blocks are cached there): the worker id, or the name of its disk tier's
+  directory, which a worker restarted on that directory has too. The record the router reads.
 * ``P route:request:{rid}`` (string, TTL): ``{"worker", "dispatch", "base", "prompt_tokens"}`` of a running
   request, so that any gateway can abort it or, if its gateway died, take its stream over (``base``: output
   tokens streamed by earlier dispatches, before a failover; ``prompt_tokens``: the original prompt's length).
@@ -172,6 +173,13 @@ class Beat:
     draining: bool = False
     pins: list[str] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
+    kv_home: str = ""  # the disk tier's lasting name (engine.kv_disk.kv_home); "" without a disk tier
+
+    @property
+    def home(self) -> str:
+        """Where this worker's cached KV lives: its disk tier's directory, outliving the process, else the
+        process itself (the pool and host tier die with it)."""
+        return self.kv_home or self.worker
 
     @property
     def load(self) -> int:

@@ -140,3 +140,16 @@ def test_disk_full_degrades_to_misses_with_one_warning(tmp_path: Path) -> None:
     assert "RESULT 3 3 0 None" in proc.stdout
     assert proc.stderr.count("cannot write") == 1
     assert not list(tmp_path.glob(f"*{SUFFIX}*"))
+
+
+def test_kv_home_names_the_directory_for_good_and_survives_the_start_up_scan(tmp_path: Path) -> None:
+    from engine.kv_disk import HOME_FILE, kv_home
+
+    first = kv_home(tmp_path / "kv")
+    _write(_store(tmp_path / "kv"), 1, 2)
+    assert kv_home(tmp_path / "kv") == first and first.startswith("kv-")
+    _store(tmp_path / "kv")  # a restart's index rebuild keeps the name
+    assert kv_home(tmp_path / "kv") == first != kv_home(tmp_path / "other")
+    (tmp_path / "kv" / HOME_FILE).write_text("")
+    with pytest.raises(RuntimeError, match="empty"):
+        kv_home(tmp_path / "kv")

@@ -140,6 +140,57 @@ async def test_a_request_waits_for_a_worker_that_registers_late(redis_proc, tiny
         await client.aclose()
 
 
+async def test_a_returning_session_follows_its_disk_tier_to_the_restarted_worker(
+        redis_proc, tiny: Path, tmp_path: Path) -> None:  # noqa: F811
+    """A worker with a disk tier stops (its cached blocks go to disk) and a new worker process starts on the
+    same directory: the session's next turn is routed to it, not to the worker with the most room, and its
+    history comes back from disk with the tokens a recompute gives."""
+    import redis.asyncio as aioredis
+
+    from chatsvc.worker import Worker
+    from engine.async_engine import AsyncEngine
+    from engine.kv_disk import kv_home
+
+    keys, disk = Keys("home:"), tmp_path / "kv"
+    client = aioredis.Redis.from_url(redis_proc.url, decode_responses=True)
+    eng = RemoteEngine.from_url(redis_proc.url, str(tiny), keys=keys, poll_s=0.1, wait_for_worker_s=30)
+    stops: list[asyncio.Event] = []
+    running: list[asyncio.Task[int]] = []
+
+    def start(name: str, blocks: int, tiers: bool) -> None:
+        tier_args: dict[str, Any] = dict(kv_host_bytes=1 << 20, kv_disk_dir=str(disk), kv_disk_bytes=1 << 26)
+        engine = AsyncEngine.from_args(model=str(tiny), dtype="float32", attention_backend="torch",
+                                       num_kv_blocks=blocks, max_model_len=512, block_size=BLOCK, engine_threads=1,
+                                       **(tier_args if tiers else {}))
+        stops.append(asyncio.Event())
+        worker = Worker(engine, client, name, keys=keys, ttl_s=2.0, kv_home=kv_home(disk) if tiers else "")
+        running.append(asyncio.create_task(worker.run(stops[-1])))
+
+    await eng.start()
+    try:
+        start("home-a1", 64, tiers=True)
+        prompt = [5 + i % 200 for i in range(45)]
+        first = await run(eng, "h-0", prompt, 20, session_id="hs")
+        stops[0].set()
+        assert await running[0] == 0  # drained; its engine wrote its cached blocks to disk on the way out
+        start("home-a2", 64, tiers=True)
+        start("home-b", 256, tiers=False)  # the most free blocks: where a request without affinity goes
+        await wait_for(lambda: sorted(eng.workers) == ["home-a2", "home-b"], 30)
+        back = prompt + tokens(first) + [7, 8, 9]
+        again = await run(eng, "h-1", back, 12, session_id="hs")
+        assert eng.router.decisions["session"] == 1 and eng.router.decisions["load"] == 1
+        assert again[-1].cached_tokens == (len(prompt) + 20 - 1) // BLOCK * BLOCK
+        recomputed = await run(eng, "h-2", back, 12)  # no session: placed by load, on home-b
+        assert eng.router.decisions["load"] == 2 and recomputed[-1].cached_tokens == 0
+        assert tokens(again) == tokens(recomputed)
+    finally:
+        for stop in stops:
+            stop.set()
+        await asyncio.gather(*running, return_exceptions=True)
+        await eng.stop()
+        await client.aclose()
+
+
 async def test_session_turns_stay_on_their_worker_and_hit_the_prefix_cache(gateway: RemoteEngine,
                                                                            redis_proc) -> None:  # noqa: F811
     prompt = [5 + i % 200 for i in range(37)]
