@@ -93,6 +93,10 @@ class Settings:
         1000, "--max-live-sessions-per-key",
         "sessions an API key may hold at once (deleted or expired ones do not count)")
     max_sockets_per_key: int = _flag(16, "--max-sockets-per-key", "open WebSockets per API key")
+    max_pinned_share_per_key: float = _flag(
+        0.5, "--max-pinned-share-per-key",
+        "share of the persona pin budget one API key's own personas may hold; past it its own least "
+        "recently used pins are unpinned")
     # A WebSocket must authenticate within this, is closed after this long without a frame while no reply
     # streams, and may send this many frames a second (bursts of twice that).
     ws_auth_timeout_s: float = 10.0
