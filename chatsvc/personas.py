@@ -25,6 +25,7 @@ from typing import Any
 from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.errors import APIError
 from chatsvc.offload import Offload
+from chatsvc.rates import Rates
 from chatsvc.settings import Settings
 from chatsvc.store.personas import PersonaLimitReached, PersonaStore
 from engine.client import EngineClient
@@ -95,8 +96,9 @@ class Personas:
     """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
     def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings,
-                 offload: Offload, isolation: CacheIsolation) -> None:
+                 offload: Offload, isolation: CacheIsolation, rates: Rates | None = None) -> None:
         self.engine = engine
+        self.rates = rates  # charges a write's prefill to its key
         self.isolation = isolation
         self.store = store
         self.settings = settings
@@ -145,6 +147,8 @@ class Personas:
         limit = self.settings.max_personas_per_key
         if not admin and not await self.store.persona_room(name, owner, limit):
             raise _persona_limit(limit)
+        if self.rates is not None:
+            await self.rates.charge(owner, len(ids), "system_prompt")
         # Pinned before it is stored: a prefill the engine refuses (queue full, engine down) leaves no
         # persona behind; one the store then refuses is unpinned again.
         try:
