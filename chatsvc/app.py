@@ -32,6 +32,7 @@ from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.personas import Personas
 from chatsvc.quotas import Quotas
+from chatsvc.rates import Rates
 from chatsvc.settings import Settings
 from chatsvc.store import P, Store
 from chatsvc.turns import TurnRegistry
@@ -127,10 +128,13 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     offload = Offload(engine)
     auth = Auth(settings.api_keys, settings.admin_keys)
     isolation = CacheIsolation(auth)
+    rates = Rates(settings, store.r, m)
+    turns = TurnRegistry(engine, store, m, settings, offload, isolation)
+    turns.rates = rates
     gw = Gateway(engine=engine, store=store, settings=settings, auth=auth, metrics=m,
-                 personas=Personas(engine, store, settings, offload, isolation),
-                 turns=TurnRegistry(engine, store, m, settings, offload, isolation), offload=offload,
-                 quotas=Quotas(settings, store, m, engine), isolation=isolation)
+                 personas=Personas(engine, store, settings, offload, isolation, rates),
+                 turns=turns, offload=offload,
+                 quotas=Quotas(settings, store, m, engine), isolation=isolation, rates=rates)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -18,6 +18,7 @@ from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.personas import Personas
 from chatsvc.quotas import Quotas
+from chatsvc.rates import Rates
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 from chatsvc.structured import Grammars
@@ -42,6 +43,7 @@ class Gateway:
     offload: Offload
     quotas: Quotas
     isolation: CacheIsolation
+    rates: Rates
     engine_ready: bool = False
     # SIGTERM received (chatsvc.drain): in-flight turns finish, new ones are refused with 503.
     draining: bool = False

@@ -162,6 +162,7 @@ async def _generate(request: Request, gw: Gateway, owner: str, req: ChatCompleti
     lease = await gw.quotas.reserve_generation(owner, max(req.n, req.best_of or 1))
     try:
         with gw.quotas.admitting(owner):
+            await gw.rates.charge(owner, len(prompt_ids), "prompt")  # its prefill, before the engine sees it
             await gen.start()
     except BaseException:
         await lease.release()

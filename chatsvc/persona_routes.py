@@ -37,7 +37,7 @@ async def persona(request: Request) -> Response:
         scope, body = found
         key = pin_key(name) if scope == SHARED else pin_key(name, owner)
         return JSONResponse({"name": name, **body, "scope": SHARED if scope == SHARED else "own",
-                             "pinned_tokens": gw.personas.pinned.get(key, 0)})
+                             "pinned": key in gw.personas.pinned, "pinned_tokens": gw.personas.pinned.get(key, 0)})
     if request.method == "DELETE":
         if not await gw.personas.delete(owner, admin, name):
             raise APIError(404, f"persona {name!r} not found", code="persona_not_found")
@@ -50,8 +50,11 @@ async def persona(request: Request) -> Response:
         created, pinned = await gw.personas.put(owner, admin, name, req.model_dump())
     finally:
         await lease.release()
+    # A persona that found no room among its key's pins is stored all the same, unpinned.
+    key = pin_key(name) if admin else pin_key(name, owner)
     return JSONResponse({"name": name, **req.model_dump(), "scope": "shared" if admin else "own",
-                         "pinned_tokens": pinned}, status_code=201 if created else 200)
+                         "pinned": key in gw.personas.pinned, "pinned_tokens": pinned},
+                        status_code=201 if created else 200)
 
 
 routes = [

@@ -4,8 +4,11 @@ prefix cache, so every session of a persona shares the same KV blocks.
 Shared personas (written by admin keys) are visible to everyone; any other key's personas are its own
 (``owner:{owner}:personas`` in Redis), so names never collide across owners and an owner's persona shadows
 a shared one of the same name for that owner only. Pins may hold at most ``max_pinned_fraction`` of the
-KV pool: past it the least recently used persona is unpinned (it still works, its prefix is just not
-kept), and a persona that alone would exceed it is refused before anything is stored.
+KV pool. A shared persona's pin may unpin any least recently used pin to fit; a key's own personas hold at
+most ``max_pinned_share_per_key`` of that budget and make room only by unpinning that key's own least
+recently used pins, so no key can push out another key's pins or the shared ones. A persona that finds no
+room is stored unpinned (it still works, its prefix is just not kept); one that alone would exceed its
+budget (the key's share, or the whole budget for a shared one) is refused before anything is stored.
 
 A shared persona's prompt is computed and pinned without a cache salt, and every owner's requests that start
 with it share those blocks; an owner's own persona is computed and pinned under the owner's salt, so only
@@ -16,11 +19,13 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.errors import APIError
 from chatsvc.offload import Offload
+from chatsvc.rates import Rates
 from chatsvc.settings import Settings
 from chatsvc.store.personas import PersonaLimitReached, PersonaStore
 from engine.client import EngineClient
@@ -91,14 +96,16 @@ class Personas:
     """Persona storage by scope, and the engine's pinned prefixes kept in step with it under a pool cap."""
 
     def __init__(self, engine: EngineClient, store: PersonaStore, settings: Settings,
-                 offload: Offload, isolation: CacheIsolation) -> None:
+                 offload: Offload, isolation: CacheIsolation, rates: Rates | None = None) -> None:
         self.engine = engine
+        self.rates = rates  # charges a write's prefill to its key
         self.isolation = isolation
         self.store = store
         self.settings = settings
         self.offload = offload  # where a PUT's prompt is tokenized (off the event loop)
-        # pin key -> pinned tokens, least recently used first.
+        # pin key -> pinned tokens, least recently used first; and the owner of each key's own pin.
         self.pinned: OrderedDict[str, int] = OrderedDict()
+        self.pin_owners: dict[str, str] = {}
 
     # -- storage ----------------------------------------------------------------------------------
     async def get(self, owner: str, name: str) -> tuple[str, dict[str, str]] | None:
@@ -116,10 +123,10 @@ class Personas:
     async def visible(self, owner: str) -> list[dict[str, Any]]:
         own = await self.store.list_personas(owner)
         shared = await self.store.list_personas()
-        out = [{"name": n, **b, "scope": "own", "pinned_tokens": self.pinned.get(pin_key(n, owner), 0)}
-               for n, b in own.items()]
-        out += [{"name": n, **b, "scope": SHARED, "pinned_tokens": self.pinned.get(pin_key(n), 0)}
-                for n, b in shared.items() if n not in own]
+        out = [{"name": n, **b, "scope": "own", "pinned": pin_key(n, owner) in self.pinned,
+                "pinned_tokens": self.pinned.get(pin_key(n, owner), 0)} for n, b in own.items()]
+        out += [{"name": n, **b, "scope": SHARED, "pinned": pin_key(n) in self.pinned,
+                 "pinned_tokens": self.pinned.get(pin_key(n), 0)} for n, b in shared.items() if n not in own]
         return out
 
     async def put(self, owner: str, admin: bool, name: str, body: dict[str, str]) -> tuple[bool, int]:
@@ -131,18 +138,22 @@ class Personas:
         if len(ids) >= context:
             raise APIError(400, f"the persona's prompt is {len(ids)} tokens; the context is {context}",
                            code="context_length_exceeded", param="system_prompt")
-        if self._blocks(len(ids)) > self._cap_blocks():
-            raise APIError(413, f"the persona's prompt ({len(ids)} tokens) alone exceeds the share of the KV "
-                           f"cache personas may pin ({self.settings.max_pinned_fraction:.0%})",
+        if self._blocks(len(ids)) > self._budget_blocks(None if admin else owner):
+            what = ("the share of the KV cache personas may pin" if admin
+                    else "this key's share of the KV cache personas may pin")
+            raise APIError(413, f"the persona's prompt ({len(ids)} tokens) alone exceeds {what}",
                            code="persona_too_large", param="system_prompt")
         key = pin_key(name) if admin else pin_key(name, owner)
         limit = self.settings.max_personas_per_key
         if not admin and not await self.store.persona_room(name, owner, limit):
             raise _persona_limit(limit)
+        if self.rates is not None:
+            await self.rates.charge(owner, len(ids), "system_prompt")
         # Pinned before it is stored: a prefill the engine refuses (queue full, engine down) leaves no
         # persona behind; one the store then refuses is unpinned again.
         try:
-            pinned = await self._pin(key, ids, None if admin else self.isolation.salt(owner))
+            pinned = await self._pin(key, ids, None if admin else self.isolation.salt(owner),
+                                     None if admin else owner)
         except QueueFullError:
             raise APIError(429, "the server is at capacity; retry shortly", code="queue_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
@@ -195,22 +206,42 @@ class Personas:
             except Exception as exc:  # noqa: BLE001 - whatever is wrong with one persona, the rest are pinned
                 log.error("persona %r not pinned: %s", name, exc)
 
-    async def _pin(self, key: str, ids: list[int], cache_salt: str | None = None) -> int:
+    async def _pin(self, key: str, ids: list[int], cache_salt: str | None = None, owner: str | None = None) -> int:
+        """Pin ``ids`` under ``key`` (``owner``'s own pin, else a shared one) and return the tokens pinned: 0
+        when no room can be made for it within the rules above."""
         self._unpin(key)
         need = self._blocks(len(ids))
-        if need > self._cap_blocks():
+        if need > self._budget_blocks(owner):
             log.warning("%s: %d prompt tokens exceed the pin cap; not pinned", key, len(ids))
             return 0
-        while self.pinned and self._pinned_blocks() + need > self._cap_blocks():
-            victim = next(iter(self.pinned))
-            log.info("unpinning %s (least recently used) to stay under the pin cap", victim)
-            self._unpin(victim)
+        if owner is not None:
+            # Over its share, and then over the whole budget, a key gives up only its own pins.
+            self._unpin_lru([k for k in self.pinned if self.pin_owners.get(k) == owner],
+                            lambda: self._pinned_blocks(owner) + need > self._budget_blocks(owner))
+            self._unpin_lru([k for k in self.pinned if self.pin_owners.get(k) == owner],
+                            lambda: self._pinned_blocks() + need > self._cap_blocks())
+            if self._pinned_blocks() + need > self._cap_blocks():
+                log.info("%s: no room among this key's own pins; stored unpinned", key)
+                return 0
+        else:
+            self._unpin_lru(list(self.pinned), lambda: self._pinned_blocks() + need > self._cap_blocks())
         n = await self.engine.pin_prefix(key, ids, cache_salt)
         self.pinned[key] = n
+        if owner is not None:
+            self.pin_owners[key] = owner
         log.info("%s: %d prompt tokens, %d pinned", key, len(ids), n)
         return n
 
+    def _unpin_lru(self, candidates: list[str], over: Callable[[], bool]) -> None:
+        """Unpin ``candidates`` (least recently used first) while ``over()``."""
+        for victim in candidates:
+            if not over():
+                return
+            log.info("unpinning %s (least recently used) to stay under the pin cap", victim)
+            self._unpin(victim)
+
     def _unpin(self, key: str) -> None:
+        self.pin_owners.pop(key, None)
         if self.pinned.pop(key, None) is not None:
             self.engine.unpin_prefix(key)
 
@@ -221,8 +252,15 @@ class Personas:
     def _blocks(self, tokens: int) -> int:
         return math.ceil(tokens / self.engine.kv_snapshot().block_size)
 
-    def _pinned_blocks(self) -> int:
-        return sum(self._blocks(n) for n in self.pinned.values())
+    def _pinned_blocks(self, owner: str | None = None) -> int:
+        """Blocks pinned in all (``owner``: by that key's own personas)."""
+        return sum(self._blocks(n) for k, n in self.pinned.items()
+                   if owner is None or self.pin_owners.get(k) == owner)
+
+    def _budget_blocks(self, owner: str | None) -> int:
+        """The most one pin may take: the whole pin budget for a shared persona, a key's share for its own."""
+        cap = self._cap_blocks()
+        return cap if owner is None else int(cap * self.settings.max_pinned_share_per_key)
 
     def _cap_blocks(self) -> int:
         total = self.engine.stats().kv_blocks_total

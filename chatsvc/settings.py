@@ -93,6 +93,16 @@ class Settings:
         1000, "--max-live-sessions-per-key",
         "sessions an API key may hold at once (deleted or expired ones do not count)")
     max_sockets_per_key: int = _flag(16, "--max-sockets-per-key", "open WebSockets per API key")
+    # Prefill work per key: the prompt tokens of OpenAI requests, session turns and persona writes, in a
+    # one-minute sliding window shared through Redis (chatsvc.rates); and each key's share of the pins.
+    max_prefill_tokens_per_minute: int = _flag(
+        100_000, "--max-prefill-tokens-per-minute",
+        "prompt tokens per API key a minute (OpenAI requests, session turns and persona writes, on every "
+        "gateway sharing the Redis); a prompt larger than this alone is refused (413)")
+    max_pinned_share_per_key: float = _flag(
+        0.5, "--max-pinned-share-per-key",
+        "share of the persona pin budget one API key's own personas may hold; past it its own least "
+        "recently used pins are unpinned")
     # A WebSocket must authenticate within this, is closed after this long without a frame while no reply
     # streams, and may send this many frames a second (bursts of twice that).
     ws_auth_timeout_s: float = 10.0

@@ -57,6 +57,7 @@ from chatsvc.history import fit_conversation
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.quotas import Lease
+from chatsvc.rates import Rates
 from chatsvc.schemas import SessionMessage, resolve_max_tokens, session_not_found, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
@@ -152,6 +153,7 @@ class TurnRegistry:
         self._keepalive: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._holds: dict[str, tuple[str, int]] = {}  # reader id -> (session, turn) generated elsewhere
+        self.rates: Rates | None = None  # charges each turn's prompt tokens (None: unit tests without one)
 
     async def open(self) -> None:
         """Announce this instance and recover what dead ones left (before the first request, so a restarted
@@ -234,6 +236,8 @@ class TurnRegistry:
         params = sampling.sampling_params(max_tokens)
         if self.isolation is not None:
             params = self.isolation.apply(meta.owner, params, prompt_ids)
+        if self.rates is not None:  # the turn's prefill, charged before anything is stored
+            await self.rates.charge(meta.owner, len(prompt_ids), "content")
         user_msg = {**message, "created": time.time(), "tokens": content_tokens}
         try:
             turn = await self.store.begin_turn(meta.id, user_msg, meta.owner)
