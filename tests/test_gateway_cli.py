@@ -171,7 +171,7 @@ def test_every_engine_setting_has_a_flag_that_reaches_the_config() -> None:
 
 
 def test_every_gateway_setting_with_a_flag_defaults_to_settings_and_reaches_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A gateway default is written once, in Settings: the flag's default is the field's, and a value given on
     the command line reaches the field."""
     from chatsvc.cli import settings_from_args
@@ -184,11 +184,13 @@ def test_every_gateway_setting_with_a_flag_defaults_to_settings_and_reaches_them
     fields = flag_fields()
     assert {f.metadata["flag"] for f in fields} >= {"--session-ttl", "--abort-grace", "--max-waiting-share"}
     assert settings_from_args(parser.parse_args([])) == Settings()
+    path = tmp_path / "secret"  # the one optional path (--secret-file): read as the settings are built
+    path.write_text("s" * 32)
     for f in fields:
-        value = f.default * 2 + 1
+        value = path if f.default is None else f.default * 2 + 1
         got = settings_from_args(parser.parse_args([f.metadata["flag"], str(value)]))
         assert getattr(got, f.name) == value, f.name
-        assert type(getattr(got, f.name)) is type(f.default), f.name
+        assert type(getattr(got, f.name)) is type(value), f.name
 
 
 def test_worker_flags_default_to_the_workers_own() -> None:
