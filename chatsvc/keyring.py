@@ -171,7 +171,8 @@ async def open_keys(r: Any, secrets: Secrets | None) -> Keys:
             raise SecretError(
                 f"none of the {len(secrets.accepted)} configured server secrets opens the identity key in Redis "
                 f"(it is wrapped for secret fingerprints {sorted(wrapped)}; these are "
-                f"{[fingerprint(s) for s in secrets.accepted]}): give this process a secret the others accept")
+                f"{[fingerprint(s) for s in secrets.accepted]}): give this process a secret the others accept; a new "
+                "secret must first be accepted beside the old one, which wraps the identity key for it")
         ours = {fingerprint(s): s for s in secrets.accepted}
         async with r.pipeline(transaction=True) as pipe:
             for fp, secret in ours.items():

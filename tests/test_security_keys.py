@@ -225,6 +225,9 @@ def test_secret_rotation_keeps_owners_and_drops_the_old_tokens(redis_proc, tiny_
     with serve(redis_proc.url, tiny_dir, secret_file=path, secret_reload_interval_s=0.1) as live:
         sid = httpx.post(live.url + "/v1/sessions", json={}, headers=A).json()["id"]
         old_token = token(live)
+        path.write_text(new + "\n")  # the new secret alone cannot open the identity key: the keys in use stay
+        time.sleep(scaled(0.5))
+        assert listed(live, old_token).status_code == 200 and wrapped_for() == {fingerprint(old.encode())}
         path.write_text(f"{new}\n{old}\n")  # step 1: the new secret accepted (and signing) beside the old
         _wait_for(lambda: wrapped_for() == {fingerprint(old.encode()), fingerprint(new.encode())}, "re-wrapped")
         new_token = token(live)
