@@ -120,9 +120,12 @@ async def _reload_secret(gw: Gateway, now: asyncio.Event) -> None:
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(now.wait(), interval)
+        asked = now.is_set()
         now.clear()
         try:
             await load_secret(gw)
+            if asked:  # the operator's SIGHUP: confirm it took
+                log.info("server secrets re-read on SIGHUP")
         except (SecretError, RedisError) as exc:
             log.error("server secrets not reloaded; the keys in use stay: %s", exc)
 
@@ -166,6 +169,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         gw.engine_ready = True
         reload_now = asyncio.Event()
         reloads: list[asyncio.Task[None]] = []
+        reloads_on_hup = False
         if gw.auth.enabled:
             # Keyed requests wait for the secret (503 meanwhile); Redis is usually up, so try once first.
             with contextlib.suppress(RedisError, OSError, SecretError):
@@ -173,6 +177,7 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
             reloads.append(asyncio.create_task(_reload_secret(gw, reload_now)))
             if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_now.set)
+                reloads_on_hup = True
         await gw.turns.open()  # heartbeat, lock refresh, recovery of turns a crashed instance left
         await gw.quotas.open()  # renews this gateway's quota places
         sync = asyncio.create_task(_sync_personas(gw))
@@ -183,6 +188,8 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
             sync.cancel()
             for task in reloads:
                 task.cancel()
+            if reloads_on_hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await gw.turns.shutdown()
             await gw.quotas.close()
             await engine.stop()

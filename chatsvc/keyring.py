@@ -155,8 +155,10 @@ async def open_keys(r: Any, secrets: Secrets | None) -> Keys:
     ``r``: an asyncio Redis client that decodes responses. Raises SecretError if no accepted secret (nor the
     legacy plaintext one) opens the identity key Redis holds."""
     if secrets is None:
-        await r.set(LEGACY_SECRET_KEY, os.urandom(32).hex(), nx=True)
-        secrets = Secrets((str(await r.get(LEGACY_SECRET_KEY)).encode(),), generated=True)
+        generated = os.urandom(32).hex()
+        if not await r.set(LEGACY_SECRET_KEY, generated, nx=True):
+            generated = await r.get(LEGACY_SECRET_KEY) or generated
+        secrets = Secrets((generated.encode(),), generated=True)
     for _ in range(2):  # a second pass if another process created the identity key meanwhile
         wrapped: dict[str, str] = await r.hgetall(IDENTITY_KEY)
         legacy: str | None = await r.get(LEGACY_SECRET_KEY)
