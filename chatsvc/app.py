@@ -31,7 +31,7 @@ from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
 from chatsvc.guard import RequestGuard
-from chatsvc.keyring import LEGACY_SECRET_KEY, SecretError, open_keys, read_secrets
+from chatsvc.keyring import SecretError, open_keys, read_secrets
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.personas import Personas
@@ -103,9 +103,6 @@ async def internal_error_handler(request: Request, exc: Exception) -> JSONRespon
     return APIError(500, "internal server error", code="internal_error").response()
 
 
-SECRET_KEY = LEGACY_SECRET_KEY
-
-
 async def load_secret(gw: Gateway) -> None:
     """Read the server secrets (the file or the environment the settings name; without either, the generated
     one in Redis), open the identity key in Redis with them and give Auth the derived keys."""
@@ -168,13 +165,13 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         gc.freeze()
         gw.engine_ready = True
         reload_now = asyncio.Event()
-        reloads: list[asyncio.Task[None]] = []
+        reload: asyncio.Task[None] | None = None
         reloads_on_hup = False
         if gw.auth.enabled:
             # Keyed requests wait for the secret (503 meanwhile); Redis is usually up, so try once first.
             with contextlib.suppress(RedisError, OSError, SecretError):
                 await asyncio.wait_for(load_secret(gw), 5.0)
-            reloads.append(asyncio.create_task(_reload_secret(gw, reload_now)))
+            reload = asyncio.create_task(_reload_secret(gw, reload_now))
             if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
                 asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_now.set)
                 reloads_on_hup = True
@@ -186,8 +183,8 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         finally:
             gw.engine_ready = False
             sync.cancel()
-            for task in reloads:
-                task.cancel()
+            if reload is not None:
+                reload.cancel()
             if reloads_on_hup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await gw.turns.shutdown()

@@ -20,9 +20,9 @@ from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
 from timing import scaled
 from websockets.sync.client import connect
 
-from chatsvc.app import SECRET_KEY, create_app
+from chatsvc.app import create_app
 from chatsvc.cli import add_serve_arguments, settings_from_args
-from chatsvc.keyring import IDENTITY_KEY, fingerprint
+from chatsvc.keyring import IDENTITY_KEY, LEGACY_SECRET_KEY, fingerprint
 from chatsvc.settings import Settings
 from chatsvc.store import Store, session_key
 
@@ -184,13 +184,13 @@ def test_owner_ids_are_keyed_hmacs_that_survive_restarts(redis_proc, tiny_dir: P
     r.flushdb()
     with serve(redis_proc.url, tiny_dir) as live:
         sid = httpx.post(live.url + "/v1/sessions", json={}, headers=A).json()["id"]
-    secret = r.get(SECRET_KEY)
+    secret = r.get(LEGACY_SECRET_KEY)
     owner = r.hget(session_key(sid), "owner")
     assert secret and len(secret) == 64 and owner
     assert KEY not in owner and hashlib.sha256(KEY.encode()).hexdigest()[:24] not in owner
     with serve(redis_proc.url, tiny_dir) as live:  # a second start reuses the secret: the session is still ours
         assert httpx.get(f"{live.url}/v1/sessions/{sid}", headers=A).status_code == 200
-    assert r.get(SECRET_KEY) == secret
+    assert r.get(LEGACY_SECRET_KEY) == secret
 
 
 def _wait_for(check: Callable[[], bool], what: str) -> None:
@@ -248,7 +248,7 @@ def test_secret_rotation_keeps_owners_and_drops_the_old_tokens(redis_proc, tiny_
             dump.append(r.get(key))
         elif r.type(key) == "hash":
             dump.extend(x for kv in r.hgetall(key).items() for x in kv)
-    assert not [x for x in dump if old in x or new in x] and not r.exists(SECRET_KEY)
+    assert not [x for x in dump if old in x or new in x] and not r.exists(LEGACY_SECRET_KEY)
 
 
 def _args(*argv: str) -> argparse.Namespace:
