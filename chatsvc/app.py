@@ -6,7 +6,10 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import secrets
+import signal
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,13 +31,14 @@ from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.context import Gateway, gateway
 from chatsvc.errors import APIError, api_error_handler, not_found_handler
 from chatsvc.guard import RequestGuard
+from chatsvc.keyring import SecretError, open_keys, read_secrets
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.personas import Personas
 from chatsvc.quotas import Quotas
 from chatsvc.rates import Rates
 from chatsvc.settings import Settings
-from chatsvc.store import P, Store
+from chatsvc.store import Store
 from chatsvc.turns import TurnRegistry
 from engine.client import EngineClient
 from engine.protocol import EngineDeadError
@@ -100,13 +104,28 @@ async def internal_error_handler(request: Request, exc: Exception) -> JSONRespon
     return APIError(500, "internal server error", code="internal_error").response()
 
 
-SECRET_KEY = P + "server_secret"
-
-
 async def load_secret(gw: Gateway) -> None:
-    """The server secret owner ids are keyed with: created once (SET NX), then the same for every process."""
-    await gw.store.r.set(SECRET_KEY, secrets.token_hex(32), nx=True)
-    gw.auth.set_secret(bytes.fromhex(await gw.store.r.get(SECRET_KEY)))
+    """Read the server secrets (the file or the environment the settings name; without either, the generated
+    one in Redis), open the identity key in Redis with them and give Auth the derived keys."""
+    secrets_given = read_secrets(gw.settings.secret_file, os.environ)
+    gw.auth.set_keys(await open_keys(gw.store.r, secrets_given))
+
+
+async def _reload_secret(gw: Gateway, now: asyncio.Event) -> None:
+    """Re-read the secrets every --secret-reload-interval seconds when they come from a file, and whenever
+    ``now`` is set (SIGHUP): a rotation needs no restart. A failed re-read keeps the keys in use."""
+    interval = gw.settings.secret_reload_interval_s if gw.settings.secret_file is not None else None
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(now.wait(), interval)
+        asked = now.is_set()
+        now.clear()
+        try:
+            await load_secret(gw)
+            if asked:  # the operator's SIGHUP: confirm it took
+                log.info("server secrets re-read on SIGHUP")
+        except (SecretError, RedisError) as exc:
+            log.error("server secrets not reloaded; the keys in use stay: %s", exc)
 
 
 async def _sync_personas(gw: Gateway) -> None:
@@ -114,7 +133,10 @@ async def _sync_personas(gw: Gateway) -> None:
     while True:
         try:
             if not gw.auth.ready:
-                await load_secret(gw)
+                try:
+                    await load_secret(gw)
+                except SecretError as exc:  # keyed requests get 503 until a reload brings a secret that works
+                    log.error("%s", exc)
             await gw.personas.sync()
             return
         except RedisError as exc:
@@ -146,10 +168,17 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         # second (holding the GIL) whenever a large request allocates enough to trigger one.
         gc.freeze()
         gw.engine_ready = True
+        reload_now = asyncio.Event()
+        reload: asyncio.Task[None] | None = None
+        reloads_on_hup = False
         if gw.auth.enabled:
             # Keyed requests wait for the secret (503 meanwhile); Redis is usually up, so try once first.
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(RedisError, OSError, SecretError):
                 await asyncio.wait_for(load_secret(gw), 5.0)
+            reload = asyncio.create_task(_reload_secret(gw, reload_now))
+            if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_now.set)
+                reloads_on_hup = True
         await gw.turns.open()  # heartbeat, lock refresh, recovery of turns a crashed instance left
         await gw.quotas.open()  # renews this gateway's quota places
         sync = asyncio.create_task(_sync_personas(gw))
@@ -158,6 +187,10 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
         finally:
             gw.engine_ready = False
             sync.cancel()
+            if reload is not None:
+                reload.cancel()
+            if reloads_on_hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await gw.turns.shutdown()
             await gw.quotas.close()
             await engine.stop()

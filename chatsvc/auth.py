@@ -1,13 +1,15 @@
 """API keys, admin keys, owner ids, and the browser-facing checks (Origin, Host).
 
-A session belongs to the key that created it. The owner id stored in Redis is an HMAC of the key with a
-server secret kept in Redis (created once, on first start), so neither the keys nor an offline-guessable
-hash of them reach the store. Without configured keys every caller is "anon".
+A session belongs to the key that created it. The owner id stored in Redis is an HMAC of the key under the
+identity key (chatsvc.keyring: random, kept in Redis only wrapped under the server secret, the same across
+secret rotations), so neither the keys nor an offline-guessable hash of them reach the store. Without
+configured keys every caller is "anon".
 
 A page need not keep the long-lived key: ``POST /v1/auth/token`` trades it for a short-lived access token
-(``cst1.<owner>.<expiry>.<HMAC>``, signed with a key derived from the same server secret, so every instance
-on one Redis accepts it), usable wherever a key is (Bearer header, WebSocket hello or subprotocol). It
-names only the owner id, expires, and stops working when its key is removed from the configuration.
+(``cst1.<owner>.<expiry>.<HMAC>``, signed with a key derived from the current server secret, so every
+instance given that secret accepts it; a previous secret still accepted verifies too), usable wherever a
+key is (Bearer header, WebSocket hello or subprotocol). It names only the owner id, expires, and stops
+working when its key is removed from the configuration or its secret is no longer accepted.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from urllib.parse import urlsplit
 from starlette.datastructures import Headers, QueryParams
 
 from chatsvc.errors import APIError
+from chatsvc.keyring import Keys
 
 ANON = "anon"
 # Browsers cannot set headers on a WebSocket; they can offer subprotocols, so a key may ride in one. The
@@ -32,8 +35,8 @@ TOKEN_PREFIX = "cst1."
 MAX_EXPIRY_DIGITS = 12  # a Unix time in seconds for the next thirty thousand years
 
 
-def owner_id(key: str, secret: bytes) -> str:
-    return "k" + hmac.new(secret, key.encode(), hashlib.sha256).hexdigest()[:32]
+def owner_id(key: str, identity: bytes) -> str:
+    return "k" + hmac.new(identity, key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def _sign(token_key: bytes, owner: str, expires: str) -> str:
@@ -47,8 +50,8 @@ class Auth:
         self.admin_keys = tuple(admin_keys)
         self._owners: dict[str, str] | None = None  # key -> owner id, once the server secret is known
         self._admins: frozenset[str] = frozenset()
-        self._token_key = b""  # signs access tokens; derived from the server secret
-        self._salt_key = b""  # keys the owners' prefix-cache salts; derived from the server secret
+        self._token_keys: tuple[bytes, ...] = ()  # the first signs access tokens, every one verifies
+        self._salt_key = b""  # keys the owners' prefix-cache salts; derived from the identity key
 
     @property
     def enabled(self) -> bool:
@@ -58,15 +61,22 @@ class Auth:
     def ready(self) -> bool:
         return not self.enabled or self._owners is not None
 
+    def set_keys(self, keys: Keys) -> None:
+        """Install the keys (again after the secrets were re-read: owner ids stay, token keys may change)."""
+        owners = {k: owner_id(k, keys.identity) for k in self.api_keys}
+        self._admins = frozenset(owners[k] for k in self.admin_keys)
+        self._token_keys = keys.token_keys
+        self._salt_key = keys.salt_key
+        self._owners = owners
+
     def set_secret(self, secret: bytes) -> None:
-        self._owners = {k: owner_id(k, secret) for k in self.api_keys}
-        self._admins = frozenset(self._owners[k] for k in self.admin_keys)
-        self._token_key = hmac.new(secret, b"chatsvc access tokens", hashlib.sha256).digest()
-        self._salt_key = hmac.new(secret, b"chatsvc cache salts", hashlib.sha256).digest()
+        """Keys from one secret that is its own identity key: for a process without Redis (tests, tools)."""
+        self.set_keys(Keys.derive(secret, (secret,)))
 
     def cache_salt(self, owner: str) -> str:
-        """The prefix-cache salt of ``owner`` (chatsvc.cache_isolation): keyed by the server secret, so nobody
-        can compute another owner's salt from its owner id. Without keys (one owner) the secret may be unread,
+        """The prefix-cache salt of ``owner`` (chatsvc.cache_isolation): keyed by a key derived from the
+        identity key, so nobody can compute another owner's salt from its owner id, and a secret rotation
+        keeps every salt (and the blocks cached under it). Without keys (one owner) the keys may be unread,
         and an unkeyed salt is as good as any."""
         return hmac.new(self._salt_key, owner.encode(), hashlib.sha256).hexdigest()[:32]
 
@@ -98,7 +108,7 @@ class Auth:
         """(an access token for ``owner`` valid for ``ttl_s`` seconds, its expiry as a Unix time)."""
         self._secret_known()
         expires = int(time.time() if now is None else now) + ttl_s
-        return f"{TOKEN_PREFIX}{owner}.{expires}.{_sign(self._token_key, owner, str(expires))}", expires
+        return f"{TOKEN_PREFIX}{owner}.{expires}.{_sign(self._token_keys[0], owner, str(expires))}", expires
 
     def check_token(self, token: str, now: float | None = None) -> str:
         """The owner id an access token names, or 401 if it is malformed, forged, expired or of a key no
@@ -107,9 +117,11 @@ class Auth:
         owner, _, rest = token[len(TOKEN_PREFIX):].partition(".")
         expiry, _, signature = rest.partition(".")
         # The signature over the text as sent is checked before anything parses it: a crafted expiry (a
-        # non-ASCII digit, thousands of digits) is just a bad signature, never a parse error.
-        if not hmac.compare_digest(signature.encode(), _sign(self._token_key, owner, expiry).encode()) or not (
-                expiry.isascii() and expiry.isdigit() and len(expiry) <= MAX_EXPIRY_DIGITS):
+        # non-ASCII digit, thousands of digits) is just a bad signature, never a parse error. Any accepted
+        # secret's key will do: tokens signed before a rotation stay valid until their secret is dropped.
+        signed = any([hmac.compare_digest(signature.encode(), _sign(k, owner, expiry).encode())
+                      for k in self._token_keys])
+        if not signed or not (expiry.isascii() and expiry.isdigit() and len(expiry) <= MAX_EXPIRY_DIGITS):
             raise APIError(401, "invalid access token", code="invalid_api_key")
         if int(expiry) <= (time.time() if now is None else now):
             raise APIError(401, "access token expired; get a new one from POST /v1/auth/token",

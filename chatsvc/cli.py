@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from chatsvc import bench
+from chatsvc.keyring import SecretError, read_secrets
 from chatsvc.settings import Settings, api_keys_from_env, default_data_dir, flag_fields, split_csv
 from chatsvc.worker import DEFAULT_TTL_S, DRAIN_TIMEOUT_S
 from engine.client import EngineClient
@@ -59,8 +60,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "localhost, 127.0.0.1, [::1] and --host")
     hints = typing.get_type_hints(Settings)
     for f in flag_fields():  # the settings that name a flag (Settings holds its default, type and help)
-        p.add_argument(f.metadata["flag"], dest=f.name, type=hints[f.name], default=f.default,
-                       help=f.metadata["help"])
+        kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        p.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
     p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="the gateway's event loop (auto: uvloop where installed)")
     p.add_argument("--http", choices=["auto", "h11", "httptools"], default="auto",
@@ -134,8 +135,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.allowed_hosts:
         hosts = split_csv(args.allowed_hosts)
     origins = split_csv(args.allowed_origins) if args.allowed_origins else Settings().allowed_origins
-    return Settings(api_keys=keys, allowed_origins=origins, allowed_hosts=hosts, admin_keys=admins,
-                    metrics_key=args.metrics_key or None, **{f.name: getattr(args, f.name) for f in flag_fields()})
+    settings = Settings(api_keys=keys, allowed_origins=origins, allowed_hosts=hosts, admin_keys=admins,
+                        metrics_key=args.metrics_key or None,
+                        **{f.name: getattr(args, f.name) for f in flag_fields()})
+    try:  # a bad secret file stops the start here, with its reason, rather than 503 on every keyed request
+        given = read_secrets(settings.secret_file, os.environ)
+    except SecretError as exc:
+        raise SystemExit(str(exc)) from None
+    if given is None and (keys or admins):
+        log.warning("NO SERVER SECRET (--secret-file or $CHATSVC_SECRET): a generated one is kept in Redis in "
+                    "plaintext, so whoever can read Redis can forge access tokens; set one in production")
+    return settings
 
 
 def remote_engine(args: argparse.Namespace, redis_url: str) -> EngineClient:

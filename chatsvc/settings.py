@@ -130,6 +130,14 @@ class Settings:
     drain_timeout_s: float = _flag(30.0, "--drain-timeout",
                                    "on SIGTERM, seconds in-flight turns may take to finish before the gateway exits "
                                    "(new ones get 503 meanwhile; 0: exit at once)")
+    # The operator's server secret(s) (chatsvc.keyring): this file, one a line, the first current; without it
+    # $CHATSVC_SECRET and $CHATSVC_SECRET_PREVIOUS; neither: a generated one kept in Redis.
+    secret_file: Path | None = _flag(
+        None, "--secret-file",
+        "file of server secrets, one a line: the first signs access tokens, the others are still accepted "
+        "(default: $CHATSVC_SECRET, $CHATSVC_SECRET_PREVIOUS)")
+    secret_reload_interval_s: float = _flag(
+        60.0, "--secret-reload-interval", "seconds between re-reads of --secret-file (SIGHUP re-reads at once)")
 
 
 def flag_fields() -> tuple[dataclasses.Field[Any], ...]:

@@ -5,6 +5,7 @@ from starlette.datastructures import Headers, QueryParams
 
 from chatsvc.auth import ANON, Auth, host_allowed, origin_allowed, owner_id, ws_key_from_protocols
 from chatsvc.errors import APIError
+from chatsvc.keyring import Keys
 from chatsvc.settings import LOOPBACK_HOSTS, Settings
 
 PATTERNS = Settings().allowed_origins
@@ -134,3 +135,25 @@ def test_cache_salts_differ_per_owner_and_cannot_be_computed_from_the_owner_id()
     # Keyed by the server secret (a key derived from it, not the owner ids' key): another secret, other salts.
     assert other.cache_salt(a) != auth.cache_salt(a)
     assert auth.cache_salt(a) != owner_id(a, b"s" * 32)[1:]
+
+
+def test_tokens_of_a_previous_secret_verify_until_it_is_dropped() -> None:
+    """The current secret signs, every accepted one verifies; owner ids follow the identity key, not the
+    secret, so a rotation changes no owner."""
+    identity, old, new = b"i" * 32, b"o" * 40, b"n" * 40
+    before, during, after = Auth(("k1",)), Auth(("k1",)), Auth(("k1",))
+    before.set_keys(Keys.derive(identity, (old,)))
+    during.set_keys(Keys.derive(identity, (new, old)))
+    after.set_keys(Keys.derive(identity, (new,)))
+    owner = before.check_key("k1")
+    assert during.check_key("k1") == after.check_key("k1") == owner
+    assert before.cache_salt(owner) == after.cache_salt(owner)
+    old_token, _ = before.issue_token(owner, 60)
+    new_token, _ = during.issue_token(owner, 60)
+    assert during.check_key(old_token) == during.check_key(new_token) == owner
+    assert after.check_key(new_token) == owner
+    with pytest.raises(APIError) as e:
+        after.check_key(old_token)
+    assert (e.value.status, e.value.code) == (401, "invalid_api_key")
+    with pytest.raises(APIError):  # signed with the new secret: not accepted where only the old one is
+        before.check_key(new_token)

@@ -171,7 +171,7 @@ def test_every_engine_setting_has_a_flag_that_reaches_the_config() -> None:
 
 
 def test_every_gateway_setting_with_a_flag_defaults_to_settings_and_reaches_them(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A gateway default is written once, in Settings: the flag's default is the field's, and a value given on
     the command line reaches the field."""
     from chatsvc.cli import settings_from_args
@@ -184,11 +184,13 @@ def test_every_gateway_setting_with_a_flag_defaults_to_settings_and_reaches_them
     fields = flag_fields()
     assert {f.metadata["flag"] for f in fields} >= {"--session-ttl", "--abort-grace", "--max-waiting-share"}
     assert settings_from_args(parser.parse_args([])) == Settings()
+    path = tmp_path / "secret"  # the one optional path (--secret-file): read as the settings are built
+    path.write_text("s" * 32)
     for f in fields:
-        value = f.default * 2 + 1
+        value = path if f.default is None else f.default * 2 + 1
         got = settings_from_args(parser.parse_args([f.metadata["flag"], str(value)]))
         assert getattr(got, f.name) == value, f.name
-        assert type(getattr(got, f.name)) is type(f.default), f.name
+        assert type(getattr(got, f.name)) is type(value), f.name
 
 
 def test_worker_flags_default_to_the_workers_own() -> None:
@@ -199,3 +201,62 @@ def test_worker_flags_default_to_the_workers_own() -> None:
     add_worker_arguments(parser)
     args = parser.parse_args(["--redis-url", "redis://localhost:1"])
     assert (args.heartbeat_ttl, args.drain_timeout) == (DEFAULT_TTL_S, DRAIN_TIMEOUT_S)
+
+
+def test_a_secret_is_checked_at_start_and_its_absence_warned(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from chatsvc.cli import settings_from_args
+
+    for env in ("CHATSVC_API_KEYS", "CHATSVC_ADMIN_KEYS", "CHATSVC_SECRET", "CHATSVC_SECRET_PREVIOUS"):
+        monkeypatch.delenv(env, raising=False)
+    parser = _serve_parser()
+    with caplog.at_level("WARNING"):
+        settings_from_args(parser.parse_args([]))  # no keys: the secret keys nothing, no warning
+        assert "NO SERVER SECRET" not in caplog.text
+        settings_from_args(parser.parse_args(["--api-key", "k"]))
+        assert "NO SERVER SECRET" in caplog.text
+        caplog.clear()
+        monkeypatch.setenv("CHATSVC_SECRET", "s" * 32)
+        settings_from_args(parser.parse_args(["--api-key", "k"]))
+        assert "NO SERVER SECRET" not in caplog.text
+    with pytest.raises(SystemExit, match="shorter than 32"):
+        monkeypatch.setenv("CHATSVC_SECRET", "guessable")
+        settings_from_args(parser.parse_args(["--api-key", "k"]))
+    with pytest.raises(SystemExit, match="cannot read the secret file"):
+        settings_from_args(parser.parse_args(["--api-key", "k", "--secret-file", str(tmp_path / "missing")]))
+
+
+def test_sighup_rereads_the_secret_file(tmp_path: Path) -> None:
+    """A rotation needs no restart: SIGHUP re-reads --secret-file at once (the periodic re-read is a minute
+    away here), and the process goes on serving."""
+    import redis
+    from tiny_model import make_tiny_model_dir
+
+    from chatsvc.keyring import IDENTITY_KEY
+
+    old, new = "o" * 40, "n" * 40
+    path = tmp_path / "secret"
+    path.write_text(f"{old}\n")
+    port = free_port()
+    proc = start(make_tiny_model_dir(tmp_path), tmp_path / "data", port, "--api-key", "k", "--secret-file", str(path))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        token = httpx.post(base + "/v1/auth/token", headers={"Authorization": "Bearer k"}).json()["token"]
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert httpx.get(base + "/v1/sessions", headers=bearer).status_code == 200
+        # First the new secret beside the old (it wraps its copy of the identity key), then alone.
+        path.write_text(f"{new}\n{old}\n")
+        proc.send_signal(signal.SIGHUP)
+        store = redis.Redis(unix_socket_path=str(tmp_path / "data" / "redis" / "redis.sock"), decode_responses=True)
+        deadline = time.monotonic() + 15
+        while len(store.hkeys(IDENTITY_KEY)) != 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "not re-wrapped for the new secret"
+            time.sleep(0.1)
+        path.write_text(f"{new}\n")
+        proc.send_signal(signal.SIGHUP)
+        while httpx.get(base + "/v1/sessions", headers=bearer).status_code != 401:
+            assert time.monotonic() < deadline and proc.poll() is None, "the old secret's token still accepted"
+            time.sleep(0.1)
+        assert httpx.get(base + "/v1/sessions", headers={"Authorization": "Bearer k"}).status_code == 200
+    finally:
+        stop(proc, signal.SIGTERM)

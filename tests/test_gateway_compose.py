@@ -60,3 +60,20 @@ def test_dockerfile_has_redis_and_checks_readiness() -> None:
     assert "redis-server" in text.split("apt-get install", 1)[1].split("\n", 1)[0]
     health = text.split("HEALTHCHECK", 1)[1].split("\n")[1]
     assert "/ready" in health and "/health" not in health
+
+
+def test_compose_gives_the_gateways_the_secret_as_a_file() -> None:
+    """The server secret reaches every gateway as a compose secret (a file it re-reads, never an environment
+    variable that `docker inspect` shows); the workers never see it; the file stays out of git and the image."""
+    spec = yaml.safe_load((REPO / "compose.yaml").read_text())
+    assert spec["secrets"]["chatsvc_secret"]["file"].startswith("${CHATSVC_SECRET_FILE:-")
+    for name in ("chatsvc", "gateway"):
+        svc = spec["services"][name]
+        assert svc["secrets"] == ["chatsvc_secret"]
+        cmd = svc["command"]
+        assert cmd[cmd.index("--secret-file") + 1] == "/run/secrets/chatsvc_secret"
+        assert "CHATSVC_SECRET" not in svc["environment"]
+    assert "secrets" not in spec["services"]["engine"]
+    default = spec["secrets"]["chatsvc_secret"]["file"].split(":-", 1)[1].rstrip("}").removeprefix("./")
+    for ignore in (".gitignore", ".dockerignore"):
+        assert default in (REPO / ignore).read_text().split(), ignore

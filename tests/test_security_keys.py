@@ -7,7 +7,8 @@ import argparse
 import hashlib
 import json
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,12 @@ import pytest
 import redis as sync_redis
 import websockets
 from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
+from timing import scaled
 from websockets.sync.client import connect
 
-from chatsvc.app import SECRET_KEY, create_app
+from chatsvc.app import create_app
 from chatsvc.cli import add_serve_arguments, settings_from_args
+from chatsvc.keyring import IDENTITY_KEY, LEGACY_SECRET_KEY, fingerprint
 from chatsvc.settings import Settings
 from chatsvc.store import Store, session_key
 
@@ -181,13 +184,71 @@ def test_owner_ids_are_keyed_hmacs_that_survive_restarts(redis_proc, tiny_dir: P
     r.flushdb()
     with serve(redis_proc.url, tiny_dir) as live:
         sid = httpx.post(live.url + "/v1/sessions", json={}, headers=A).json()["id"]
-    secret = r.get(SECRET_KEY)
+    secret = r.get(LEGACY_SECRET_KEY)
     owner = r.hget(session_key(sid), "owner")
     assert secret and len(secret) == 64 and owner
     assert KEY not in owner and hashlib.sha256(KEY.encode()).hexdigest()[:24] not in owner
     with serve(redis_proc.url, tiny_dir) as live:  # a second start reuses the secret: the session is still ours
         assert httpx.get(f"{live.url}/v1/sessions/{sid}", headers=A).status_code == 200
-    assert r.get(SECRET_KEY) == secret
+    assert r.get(LEGACY_SECRET_KEY) == secret
+
+
+def _wait_for(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + scaled(15)
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_secret_rotation_keeps_owners_and_drops_the_old_tokens(redis_proc, tiny_dir: Path,  # noqa: F811
+                                                                tmp_path: Path) -> None:
+    """The secret file is re-read while the gateway runs: a new secret accepted beside the old one, then
+    the old one dropped. Sessions keep their owner throughout (and after a restart with the new secret
+    alone), tokens of the old secret work until it is dropped, and Redis never holds a secret in the clear."""
+    old, new = "old-" + "o" * 40, "new-" + "n" * 40
+    r = sync_redis.Redis.from_url(redis_proc.url, decode_responses=True)
+    r.flushdb()
+    path = tmp_path / "secrets"
+    path.write_text(old + "\n")
+
+    def wrapped_for() -> set[str]:
+        return set(r.hkeys(IDENTITY_KEY))
+
+    def token(live: LiveServer) -> dict[str, str]:
+        got = httpx.post(live.url + "/v1/auth/token", headers=A)
+        assert got.status_code == 200, got.text
+        return {"Authorization": f"Bearer {got.json()['token']}"}
+
+    def listed(live: LiveServer, headers: dict[str, str]) -> httpx.Response:
+        return httpx.get(live.url + "/v1/sessions", headers=headers)
+
+    with serve(redis_proc.url, tiny_dir, secret_file=path, secret_reload_interval_s=0.1) as live:
+        sid = httpx.post(live.url + "/v1/sessions", json={}, headers=A).json()["id"]
+        old_token = token(live)
+        path.write_text(new + "\n")  # the new secret alone cannot open the identity key: the keys in use stay
+        time.sleep(scaled(0.5))
+        assert listed(live, old_token).status_code == 200 and wrapped_for() == {fingerprint(old.encode())}
+        path.write_text(f"{new}\n{old}\n")  # step 1: the new secret accepted (and signing) beside the old
+        _wait_for(lambda: wrapped_for() == {fingerprint(old.encode()), fingerprint(new.encode())}, "re-wrapped")
+        new_token = token(live)
+        for headers in (A, old_token, new_token):
+            got = listed(live, headers)
+            assert got.status_code == 200 and [s["id"] for s in got.json()["data"]] == [sid], got.text
+        path.write_text(new + "\n")  # step 2: the old secret dropped
+        _wait_for(lambda: wrapped_for() == {fingerprint(new.encode())}, "old copy deleted")
+        got = listed(live, old_token)
+        assert (got.status_code, got.json()["error"]["code"]) == (401, "invalid_api_key")
+        assert [s["id"] for s in listed(live, new_token).json()["data"]] == [sid]
+    with serve(redis_proc.url, tiny_dir, secret_file=path) as live:  # a restart with the new secret alone
+        assert [s["id"] for s in listed(live, A).json()["data"]] == [sid]
+    dump = []  # every key, string value and hash field and value
+    for key in r.scan_iter():
+        dump.append(key)
+        if r.type(key) == "string":
+            dump.append(r.get(key))
+        elif r.type(key) == "hash":
+            dump.extend(x for kv in r.hgetall(key).items() for x in kv)
+    assert not [x for x in dump if old in x or new in x] and not r.exists(LEGACY_SECRET_KEY)
 
 
 def _args(*argv: str) -> argparse.Namespace:
