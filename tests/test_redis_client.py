@@ -178,10 +178,14 @@ class Topology:
     def master_port(self) -> int:
         return int(self.sentinel.client().execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster")[1])
 
-    def failover(self) -> None:
-        """A forced failover (no quorum asked), retried while the Sentinel finds no replica good enough yet."""
+    def failover(self, how: str) -> None:
+        """``failover``: a forced failover (no quorum asked), retried while the Sentinel finds no replica good enough
+        yet; ``kill``: the master killed (-9), found down by the Sentinel after down-after-milliseconds."""
         old = self.master_port()
-        self.wait(lambda: self._try_failover(), "the Sentinel to accept the failover")
+        if how == "kill":
+            self.master.stop()
+        else:
+            self.wait(lambda: self._try_failover(), "the Sentinel to accept the failover")
         self.wait(lambda: self.master_port() != old, "the replica's promotion")
         self.wait(lambda: self.replica.client().info("replication")["role"] == "master", "the new master")
 
@@ -343,9 +347,11 @@ MAX_TOKENS = 3000  # long enough that the reply still runs when the failover has
 @pytest.mark.integration
 @pytest.mark.long
 @pytest.mark.timeout(300)
-def test_gateway_reply_across_a_sentinel_failover(topology: Topology, tmp_path: Path) -> None:
-    """A turn streaming while the Sentinel promotes the replica is stored once, on the new master; sessions written
-    before are read back from it, and turns and sessions made after the failover work."""
+@pytest.mark.parametrize("how", ["failover", "kill"])
+def test_gateway_reply_across_a_sentinel_failover(how: str, topology: Topology, tmp_path: Path) -> None:
+    """A turn streaming while the Sentinel promotes the replica (asked to, or on finding the master killed) is stored
+    once, on the new master; sessions written before are read back from it, and turns and sessions made after the
+    failover work."""
     from tiny_model import make_tiny_model_dir
 
     model = make_tiny_model_dir(tmp_path / "tiny", max_position_embeddings=4096)
@@ -372,7 +378,7 @@ def test_gateway_reply_across_a_sentinel_failover(topology: Topology, tmp_path: 
         reader = threading.Thread(target=read)
         reader.start()
         Topology.wait(lambda: len(events) >= 3 or not reader.is_alive(), "the reply to stream")
-        topology.failover()
+        topology.failover(how)
         assert events[-1]["type"] == "delta", "the reply ended before the failover: nothing was tested"
         reader.join(scaled(150))
         assert not reader.is_alive(), "the reply never ended:\n" + srv.output()
