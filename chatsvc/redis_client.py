@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
@@ -31,6 +34,8 @@ from redis.exceptions import (
     ReadOnlyError,
     RedisError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("chatsvc.redis")
 
@@ -42,6 +47,8 @@ REFUSED_ERRORS: tuple[type[Exception], ...] = (OutOfMemoryError, ReadOnlyError, 
 # maxmemory. A longer one is the caller's (a finished reply waits in memory: chatsvc.turns).
 COMMAND_RETRIES = 4
 DEFAULT_MASTER = "mymaster"
+# How often a connection taken for a command asks the Sentinels which master they name (see _FollowingPool).
+MASTER_CHECK_S = 0.5
 # What a server answers to credentials it does not accept (or to none where it wants some).
 CREDENTIAL_ERRORS: tuple[type[Exception], ...] = (AuthenticationError, AuthenticationWrongNumberOfArgsError,
                                                   NoPermissionError)
@@ -140,6 +147,31 @@ def target_from_args(args: argparse.Namespace) -> RedisTarget | None:
         raise SystemExit(f"Redis options: {e}") from None
 
 
+class _FollowingPool(SentinelConnectionPool):
+    """Connections to the master the Sentinels name now, not the one they named when the connection opened.
+
+    redis-py moves a connection only when it fails or answers READONLY. After a failover the old master, if it
+    is still up, stays a writable master until the Sentinels demote it (seconds later), and whatever is written
+    to it meanwhile is dropped when it resyncs from the new one. So a connection taken for a command first
+    re-reads the master's address (at most every MASTER_CHECK_S) and is reopened if it points elsewhere."""
+
+    def __init__(self, service_name: str, sentinel_manager: Sentinel, **kwargs: Any) -> None:
+        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
+        self._checked_at = 0.0
+
+    async def ensure_connection(self, connection: AbstractConnection) -> None:
+        now = time.monotonic()
+        if now - self._checked_at >= MASTER_CHECK_S:
+            self._checked_at = now
+            # No Sentinel answering (or none naming a master) is for connect() to report, with its retries.
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+                await self.get_master_address()  # type: ignore[no-untyped-call]  # closes idle ones if it moved
+        address = (getattr(connection, "host", None), getattr(connection, "port", None))
+        if connection.is_connected and self.master_address is not None and address != self.master_address:
+            await connection.disconnect()  # connect() then asks the Sentinels again
+        await super().ensure_connection(connection)
+
+
 class _SentinelMaster(aioredis.Redis):
     """The master's client; closing it also closes the connections to the Sentinels that name the master."""
 
@@ -171,7 +203,8 @@ def connect(target: RedisTarget, socket_timeout: float | None = None) -> aioredi
     # A Sentinel answers at once or is skipped for the next one: never wait on it as long as on a command.
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={  # type: ignore[no-untyped-call]
         "socket_connect_timeout": 2, "socket_timeout": 2, "password": target.sentinel_password})
-    client: aioredis.Redis = sentinel.master_for(target.master, redis_class=_SentinelMaster, **options)
+    client: aioredis.Redis = sentinel.master_for(target.master, redis_class=_SentinelMaster,
+                                                 connection_pool_class=_FollowingPool, **options)
     return client
 
 

@@ -5,6 +5,7 @@ Sentinel, and a gateway (``chatsvc serve --redis-sentinel``) whose reply runs ac
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import ipaddress
 import os
@@ -24,6 +25,7 @@ from gateway_fixtures import free_port
 from serve_process import Serve, assert_alternating, sse_json
 from timing import scaled
 
+from chatsvc import redis_client
 from chatsvc.cli import add_serve_arguments, add_worker_arguments
 from chatsvc.redis_client import RedisTarget, check_credentials, connect, parse_sentinels, target_from_args
 from chatsvc.store import Store
@@ -236,6 +238,24 @@ async def test_sentinel_target_reaches_the_master_with_both_passwords(topology: 
 
 
 @pytest.mark.integration
+async def test_writes_follow_the_promoted_replica_while_the_old_master_is_still_up(topology: Topology) -> None:
+    """After a failover the old master stays a writable master until the Sentinel demotes it (seconds later) and
+    then drops what it took meanwhile: a client that kept its connection there would lose those writes."""
+    client = connect(topology.target())
+    try:
+        await client.set("before", "1")  # an open connection to the master of now
+        topology.failover("failover")
+        assert topology.master.client().info("replication")["role"] == "master"  # not demoted yet
+        await asyncio.sleep(redis_client.MASTER_CHECK_S)
+        await client.set("after", "1")
+        assert topology.master.client().info("replication")["role"] == "master"
+        assert topology.replica.client().get("after") == "1"  # on the new master
+        assert topology.master.client().get("after") is None  # not on the old one, where it would be lost
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.integration
 async def test_wrong_credentials_exit_with_one_line(topology: Topology, tmp_path: Path) -> None:
     url = f"redis://127.0.0.1:{topology.master.port}/0"
     cases = [(RedisTarget(url=url, password="wrong"), "refused the credentials"),
@@ -406,6 +426,62 @@ def test_gateway_reply_across_a_sentinel_failover(how: str, topology: Topology, 
         assert len(after) == 4 and after[1] == done["message"]
     finally:
         srv.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_split_form_across_a_sentinel_failover(topology: Topology, tmp_path: Path) -> None:
+    """A worker and a gateway (--engine redis), both on --redis-sentinel: a reply the worker streams while the
+    Sentinel promotes the replica reaches its reader and is stored once; both follow the new master for the next
+    turn (the worker's stream reads and heartbeat, the gateway's dispatch)."""
+    from tiny_model import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "tiny", max_position_embeddings=4096)
+    flags = topology.flags(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDIS_")}
+    log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen([sys.executable, "-m", "chatsvc.cli", "worker", "--model", str(model), *flags,
+                               "--engine", "thread", "--engine-threads", "1", "--num-kv-blocks", "320",
+                               "--max-model-len", "4096", "--heartbeat-ttl", "10", "--log-level", "warning"],
+                              cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT)
+    srv = Serve(str(model), free_port(), None, *flags, "--engine", "redis", "--max-model-len", "4096")
+    try:
+        srv.start()
+        sid = httpx.post(srv.url + "/v1/sessions", json={}, timeout=10).json()["id"]
+        events: list[dict[str, Any]] = []
+
+        def read() -> None:
+            msg = {"content": "Write a long essay.", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+            with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages", json=msg, timeout=180) as r:
+                assert r.status_code == 200
+                events.extend(sse_json(r))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        Topology.wait(lambda: len(events) >= 3 or not reader.is_alive(), "the reply to stream")
+        topology.failover("failover")
+        assert events[-1]["type"] == "delta", "the reply ended before the failover: nothing was tested"
+        reader.join(scaled(150))
+        assert not reader.is_alive(), "the reply never ended:\n" + srv.output()
+        done = events[-1]
+        assert done["type"] == "done" and done["usage"]["completion_tokens"] == MAX_TOKENS, done
+        text = "".join(e["text"] for e in events if e["type"] == "delta")
+        assert text == done["message"]["content"]  # every delta once, none lost or repeated
+        msgs = httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["messages"]
+        assert len(msgs) == 2 and msgs[1] == done["message"]
+        assert topology.replica.client().llen(messages_key(sid)) == 2
+        with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages",
+                          json={"content": "more", "max_tokens": 3}, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            assert list(sse_json(r))[-1]["type"] == "done"
+        assert len(httpx.get(f"{srv.url}/v1/sessions/{sid}", timeout=10).json()["messages"]) == 4
+        assert worker.poll() is None
+    finally:
+        srv.stop()
+        worker.terminate()
+        worker.wait(60)
+        log.close()
 
 
 def test_one_module_builds_every_client() -> None:
