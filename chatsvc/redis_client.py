@@ -4,7 +4,8 @@ from them, so that the gateway's store, its client of engine workers and ``chats
 
 Through Sentinel, redis-py's ``SentinelConnectionPool`` asks the Sentinels for the master's address whenever it
 opens a connection; after a failover the old master answers READONLY (or drops the connection), the connection
-is closed and the command's retry reconnects to the promoted replica."""
+is closed and the command's retry reconnects to the promoted replica. Before the old master is demoted it still
+takes writes, so connections are also checked against the master the Sentinels name (:class:`_FollowingPool`)."""
 
 from __future__ import annotations
 
@@ -224,7 +225,8 @@ async def check_credentials(target: RedisTarget) -> None:
                     continue  # down: the other Sentinels may answer
         await client.ping()
     except CREDENTIAL_ERRORS as e:
-        raise SystemExit(f"Redis ({target.describe()}) refused the credentials: {e}") from None
+        hint = "" if target.password or urlsplit(target.url or "").password else " (none were given)"
+        raise SystemExit(f"Redis ({target.describe()}) refused the credentials{hint}: {e}") from None
     except (RedisError, OSError) as e:
         log.warning("Redis (%s) is not reachable yet: %s", target.describe(), e)
     finally:
