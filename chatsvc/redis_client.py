@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import (
     AuthenticationError,
     AuthenticationWrongNumberOfArgsError,
@@ -164,9 +164,11 @@ class _FollowingPool(SentinelConnectionPool):
         now = time.monotonic()
         if now - self._checked_at >= MASTER_CHECK_S:
             self._checked_at = now
-            # No Sentinel answering (or none naming a master) is for connect() to report, with its retries.
-            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
-                await self.get_master_address()  # type: ignore[no-untyped-call]  # closes idle ones if it moved
+            # No Sentinel answering (or none naming a master) is for connect() to report, with its retries; a
+            # slow one must not hold the command up for long when the connection it has still works.
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError, TimeoutError):
+                # get_master_address() closes the idle connections when the master moved.
+                await asyncio.wait_for(self.get_master_address(), MASTER_CHECK_S)  # type: ignore[no-untyped-call]
         address = (getattr(connection, "host", None), getattr(connection, "port", None))
         if connection.is_connected and self.master_address is not None and address != self.master_address:
             await connection.disconnect()  # connect() then asks the Sentinels again
@@ -201,9 +203,11 @@ def connect(target: RedisTarget, socket_timeout: float | None = None) -> aioredi
         options["password"] = target.password
     if target.url is not None:
         return aioredis.Redis.from_url(target.url, **options)
-    # A Sentinel answers at once or is skipped for the next one: never wait on it as long as on a command.
+    # A Sentinel answers at once or is skipped for the next one (no retries: redis-py's default retries a refused
+    # connection for seconds), and never waited on as long as a command.
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={  # type: ignore[no-untyped-call]
-        "socket_connect_timeout": 2, "socket_timeout": 2, "password": target.sentinel_password})
+        "socket_connect_timeout": 2, "socket_timeout": 2, "retry": Retry(NoBackoff(), 0),
+        "password": target.sentinel_password})
     client: aioredis.Redis = sentinel.master_for(target.master, redis_class=_SentinelMaster,
                                                  connection_pool_class=_FollowingPool, **options)
     return client

@@ -238,6 +238,20 @@ async def test_sentinel_target_reaches_the_master_with_both_passwords(topology: 
 
 
 @pytest.mark.integration
+async def test_a_sentinel_that_is_down_is_skipped_at_once(topology: Topology) -> None:
+    dead = ("127.0.0.1", free_port())  # nothing listens there: connections are refused
+    target = RedisTarget(sentinels=(dead, ("127.0.0.1", topology.sentinel.port)), password=PASSWORD,
+                         sentinel_password=SENTINEL_PASSWORD)
+    client = connect(target)
+    try:
+        t0 = time.monotonic()
+        assert await client.ping()
+        assert time.monotonic() - t0 < 2.0  # not redis-py's default retries of the refused one (about 5 s)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.integration
 async def test_writes_follow_the_promoted_replica_while_the_old_master_is_still_up(topology: Topology) -> None:
     """After a failover the old master stays a writable master until the Sentinel demotes it (seconds later) and
     then drops what it took meanwhile: a client that kept its connection there would lose those writes."""
