@@ -15,7 +15,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -68,8 +68,8 @@ class RedisTarget:
     sentinels: tuple[tuple[str, int], ...] = ()
     master: str = DEFAULT_MASTER
     username: str | None = None
-    password: str | None = None
-    sentinel_password: str | None = None
+    password: str | None = field(default=None, repr=False)
+    sentinel_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.url is None) == (not self.sentinels):
@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the master's name in the Sentinels' configuration (default: $REDIS_SENTINEL_MASTER, "
                         f"else {DEFAULT_MASTER})")
     p.add_argument("--redis-username", default=env("REDIS_USERNAME"),
-                   help="Redis ACL user (default: $REDIS_USERNAME, else the URL's, else default)")
+                   help="Redis ACL user (default: $REDIS_USERNAME; or put it in the URL)")
     p.add_argument("--redis-password-file", type=Path, default=env("REDIS_PASSWORD_FILE"), metavar="PATH",
                    help="file holding the Redis password (default: $REDIS_PASSWORD_FILE); or put it in the URL")
     p.add_argument("--redis-sentinel-password-file", type=Path, default=env("REDIS_SENTINEL_PASSWORD_FILE"),
@@ -137,6 +137,8 @@ def target_from_args(args: argparse.Namespace) -> RedisTarget | None:
                              if args.redis_sentinel_password_file else None)
         if url and password and urlsplit(url).password is not None:
             raise ValueError("the Redis password is both in the URL and in --redis-password-file: give it once")
+        if url and args.redis_username and urlsplit(url).username:
+            raise ValueError("the Redis user is both in the URL and in --redis-username: give it once")
         if not (url or sentinels):
             if password or sentinel_password or args.redis_username:
                 raise ValueError("Redis credentials were given without --redis-url or --redis-sentinel")

@@ -87,6 +87,7 @@ def test_no_redis_named_is_none_for_the_embedded_one() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--redis-url", "redis://h/0", "--redis-sentinel", "s:26379"], "either --redis-url"),
     (["--redis-url", "redis://:inline@h/0", "--redis-password-file", "{pw}"], "give it once"),
+    (["--redis-url", "redis://app@h/0", "--redis-username", "app"], "give it once"),
     (["--redis-password-file", "{pw}"], "without --redis-url or --redis-sentinel"),
     (["--redis-url", "redis://h/0", "--redis-password-file", "{missing}"], "No such file"),
     (["--redis-url", "redis://h/0", "--redis-password-file", "{empty}"], "is empty"),
@@ -105,8 +106,9 @@ def test_describe_never_shows_the_password() -> None:
     assert RedisTarget(url="rediss://app:hunter2@h:6380/1").describe() == "rediss://app:***@h:6380/1"
     assert RedisTarget(url="redis://:hunter2@h/0").describe() == "redis://:***@h/0"
     assert RedisTarget(url="redis://h/0").describe() == "redis://h/0"
-    desc = RedisTarget(sentinels=(("a", 1), ("b", 2)), master="m", password="hunter2").describe()
-    assert desc == "master 'm' of the Sentinels at a:1,b:2"
+    target = RedisTarget(sentinels=(("a", 1), ("b", 2)), master="m", password="hunter2", sentinel_password="pw2")
+    assert target.describe() == "master 'm' of the Sentinels at a:1,b:2"
+    assert "hunter2" not in repr(target) and "pw2" not in repr(target)
 
 
 # -- real servers ------------------------------------------------------------------------------------------------
