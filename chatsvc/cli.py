@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from chatsvc import bench
+from chatsvc import bench, redis_client
 from chatsvc.keyring import SecretError, read_secrets
 from chatsvc.settings import Settings, api_keys_from_env, default_data_dir, flag_fields, split_csv
 from chatsvc.worker import DEFAULT_TTL_S, DRAIN_TIMEOUT_S
@@ -31,7 +31,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="Redis URL (default: $REDIS_URL, else an embedded redis-server)")
+                   help="Redis URL (default: $REDIS_URL, else an embedded redis-server); rediss:// for TLS")
+    redis_client.add_arguments(p)
     p.add_argument("--data-dir", type=Path, default=None, help="embedded Redis data dir (default: user data dir)")
     add_engine_arguments(p)
     p.add_argument("--engine", choices=["process", "thread", "redis"], default="process",
@@ -148,7 +149,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return settings
 
 
-def remote_engine(args: argparse.Namespace, redis_url: str) -> EngineClient:
+def remote_engine(args: argparse.Namespace, redis: redis_client.RedisTarget) -> EngineClient:
     """The client of engine workers: tokenizer of --model here, models in `chatsvc worker` processes."""
     from chatsvc.remote_engine import RemoteEngine
     from chatsvc.router import Router
@@ -157,7 +158,7 @@ def remote_engine(args: argparse.Namespace, redis_url: str) -> EngineClient:
                               "progress_timeout_s": args.progress_timeout}
     if args.max_model_len is not None:
         kwargs["max_model_len"] = args.max_model_len
-    return RemoteEngine.from_url(redis_url, args.model, **kwargs)
+    return RemoteEngine.from_url(redis, args.model, **kwargs)
 
 
 def build_engine(config: EngineConfig, kind: str = "process") -> EngineClient:
@@ -204,13 +205,14 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(sig, _raise_stop)
     try:
         settings = settings_from_args(args)  # refuses an unprotected public listen before starting anything
-        if args.redis_url:
-            url, desc = args.redis_url, f"external Redis at {args.redis_url}"
+        target = redis_client.from_args(args)  # exits at once on wrong credentials
+        if target is not None:
+            desc = f"external Redis: {target.describe()}"
         else:
             embedded = EmbeddedRedis((args.data_dir or default_data_dir()) / "redis")
-            url = embedded.start()
-            desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {url}, append-only"
-        engine = remote_engine(args, url) if args.engine == "redis" else build_engine(engine_config(args), args.engine)
+            target = redis_client.RedisTarget(url=embedded.start())
+            desc = f"embedded Redis (pid {embedded.proc.pid if embedded.proc else '?'}) at {target.url}, append-only"
+        engine = remote_engine(args, target) if args.engine == "redis" else build_engine(engine_config(args), args.engine)
         stats = engine.stats()
         log.info("model %s, max_model_len %d, %d KV blocks of %d tokens (%d CPU swap blocks)", engine.model_name,
                  engine.max_model_len, stats.kv_blocks_total, args.block_size, stats.cpu_blocks_total)
@@ -218,7 +220,7 @@ def serve(args: argparse.Namespace) -> int:
         if settings.api_keys or settings.admin_keys:
             log.info("API keys required (%d configured, %d admin)", len(settings.api_keys), len(settings.admin_keys))
         # Named by host and port: a restart on the same port recovers its predecessor's turns at once.
-        store = Store.from_url(url, settings.session_ttl_s, settings.stream_ttl_s,
+        store = Store.from_url(target, settings.session_ttl_s, settings.stream_ttl_s,
                                instance=f"{socket.gethostname()}:{args.port}")
         app = create_app(engine, store, settings)
         log.info("listening on http://%s:%d", args.host, args.port)
@@ -238,8 +240,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), required="REDIS_URL" not in os.environ,
-                   help="the Redis the gateways use (default: $REDIS_URL)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
+                   help="the Redis the gateways use (default: $REDIS_URL; or --redis-sentinel)")
+    redis_client.add_arguments(p)
     p.add_argument("--name", default=None, help="worker name (default: the host name); the id adds pid and a nonce")
     p.add_argument("--heartbeat-ttl", type=float, default=DEFAULT_TTL_S,
                    help="seconds without a heartbeat after which gateways take the worker for dead and move its "
@@ -253,12 +256,12 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def worker(args: argparse.Namespace) -> int:
-    import redis.asyncio as aioredis
-
-    from chatsvc.store.base import REFUSED_ERRORS, command_retry
     from chatsvc.worker import Worker, worker_id
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    target = redis_client.from_args(args)  # exits at once on wrong credentials
+    if target is None:
+        raise SystemExit("chatsvc worker: give --redis-url (REDIS_URL) or --redis-sentinel (REDIS_SENTINEL)")
     config = engine_config(args)
     engine = build_engine(config, args.engine)
     # Sessions whose blocks this worker's disk tier holds come back to whichever process serves that directory.
@@ -269,9 +272,7 @@ def worker(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)  # drain, then exit
-        client = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2,
-                                         health_check_interval=15, retry=command_retry(),
-                                         retry_on_error=list(REFUSED_ERRORS))
+        client = redis_client.connect(target)
         try:
             return await Worker(engine, client, worker_id(args.name), ttl_s=args.heartbeat_ttl,
                                 drain_timeout_s=args.drain_timeout, kv_home=home).run(stop)

@@ -75,9 +75,9 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
+from chatsvc.redis_client import RedisTarget, connect
 from chatsvc.router import Router
 from chatsvc.settings import SESSION_TTL_S
-from chatsvc.store.base import REFUSED_ERRORS, command_retry
 from engine.client import EngineClient, StreamCounters, StreamLimits
 from engine.detokenizer import IncrementalDetokenizer
 from engine.protocol import (
@@ -202,18 +202,15 @@ class RemoteEngine(EngineClient):
         self._released: set[str] = set()  # requests another gateway relays now (this one lost the turn)
 
     @classmethod
-    def from_url(cls, url: str, model: str | None = None, **kwargs: Any) -> RemoteEngine:
-        """A gateway's client: the model's tokenizer (no weights are read) and a Redis connection pool."""
-        import redis.asyncio as aioredis
-
+    def from_url(cls, url: str | RedisTarget, model: str | None = None, **kwargs: Any) -> RemoteEngine:
+        """A gateway's client: the model's tokenizer (no weights are read) and a Redis connection pool, on a Redis
+        URL or a :class:`RedisTarget` (Sentinels, credentials)."""
         from engine.model_files import load_tokenizer, resolve_model_path
 
         tokenizer, config = load_tokenizer(model)
         tokenizer.eos_token_ids = config.eos_token_ids
         name = config.name or Path(resolve_model_path(model)).stem
-        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=2,
-                                         health_check_interval=15, retry=command_retry(),
-                                         retry_on_error=list(REFUSED_ERRORS))
+        client = connect(url if isinstance(url, RedisTarget) else RedisTarget(url=url))
         kwargs.setdefault("max_model_len", config.max_position_embeddings)
         return cls(client, tokenizer, name, **kwargs)
 

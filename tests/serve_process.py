@@ -58,10 +58,11 @@ class PersistentRedis:
 class Serve:
     """``chatsvc serve`` (engine on a thread, one torch thread) as a child process."""
 
-    def __init__(self, model: str, port: int, redis_url: str, *extra: str) -> None:
-        self.args = [sys.executable, "-m", "chatsvc.cli", "serve", "--model", model, "--port", str(port),
-                     "--redis-url", redis_url, "--engine", "thread", "--engine-threads", "1",
-                     "--log-level", "warning", *extra]
+    def __init__(self, model: str, port: int, redis_url: str | None, *extra: str) -> None:
+        """``redis_url`` None: Redis is named by ``extra`` (--redis-sentinel)."""
+        redis = ["--redis-url", redis_url] if redis_url is not None else []
+        self.args = [sys.executable, "-m", "chatsvc.cli", "serve", "--model", model, "--port", str(port), *redis,
+                     "--engine", "thread", "--engine-threads", "1", "--log-level", "warning", *extra]
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
         # A file, not a pipe: a pipe nobody reads would stall a server that logs more than its buffer.

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
+import redis as redis_py
 import yaml
+from gateway_fixtures import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,7 +72,7 @@ def test_compose_gives_the_gateways_the_secret_as_a_file() -> None:
     assert spec["secrets"]["chatsvc_secret"]["file"].startswith("${CHATSVC_SECRET_FILE:-")
     for name in ("chatsvc", "gateway"):
         svc = spec["services"][name]
-        assert svc["secrets"] == ["chatsvc_secret"]
+        assert "chatsvc_secret" in svc["secrets"]
         cmd = svc["command"]
         assert cmd[cmd.index("--secret-file") + 1] == "/run/secrets/chatsvc_secret"
         assert "CHATSVC_SECRET" not in svc["environment"]
@@ -77,3 +80,54 @@ def test_compose_gives_the_gateways_the_secret_as_a_file() -> None:
     default = spec["secrets"]["chatsvc_secret"]["file"].split(":-", 1)[1].rstrip("}").removeprefix("./")
     for ignore in (".gitignore", ".dockerignore"):
         assert default in (REPO / ignore).read_text().split(), ignore
+
+
+def test_compose_redis_requires_the_password_secret() -> None:
+    """Redis takes its password from a file secret (kept out of git and the image), and every service that uses
+    Redis is given the same file; no password is written in compose.yaml."""
+    spec = yaml.safe_load((REPO / "compose.yaml").read_text())
+    services, secret = spec["services"], "/run/secrets/redis_password"
+    assert spec["secrets"]["redis_password"]["file"] == "./secrets/redis_password"
+    redis = services["redis"]
+    assert "redis_password" in redis["secrets"] and f"--requirepass \"$$(cat {secret})\"" in redis["entrypoint"][2]
+    assert secret in redis["healthcheck"]["test"][1]
+    for name in ("chatsvc", "gateway", "engine"):
+        assert services[name]["environment"]["REDIS_PASSWORD_FILE"] == secret, name
+        assert "redis_password" in services[name]["secrets"], name
+    assert "secrets/" in (REPO / ".gitignore").read_text().split()
+    assert "secrets" in (REPO / ".dockerignore").read_text().split()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_compose_redis_entrypoint_and_healthcheck_use_the_secret(tmp_path: Path) -> None:
+    """The compose Redis's entrypoint and healthcheck, run here by sh on a real redis-server (the secret's path and
+    the port swapped for this machine's; the image's docker-entrypoint.sh, which only drops root, left out)."""
+    redis = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["redis"]
+    password_file, port = tmp_path / "redis_password", free_port()
+    password_file.write_text("pw from a file\n")
+
+    def local(text: str) -> str:  # compose's $$ is a literal $
+        return (text.replace("$$", "$").replace("/run/secrets/redis_password", str(password_file))
+                .replace("docker-entrypoint.sh ", "").replace("redis-cli", f"redis-cli -p {port}"))
+
+    argv = [*(local(a) for a in redis["entrypoint"]), *redis["command"], "--port", str(port), "--dir", str(tmp_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis_py.Redis(port=port, password="pw from a file", socket_connect_timeout=0.5).ping()
+                break
+            except redis_py.ConnectionError:
+                assert time.monotonic() < deadline and proc.poll() is None, "redis-server did not start"
+                time.sleep(0.05)
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(port=port, socket_connect_timeout=0.5).ping()
+        health = ["sh", "-c", local(redis["healthcheck"]["test"][1])]
+        assert subprocess.run(health, timeout=10).returncode == 0
+        password_file.write_text("not it")
+        assert subprocess.run(health, timeout=10, capture_output=True).returncode != 0
+    finally:
+        proc.kill()
+        proc.wait(10)
