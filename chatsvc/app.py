@@ -34,6 +34,7 @@ from chatsvc.personas import Personas
 from chatsvc.quotas import Quotas
 from chatsvc.settings import Settings
 from chatsvc.store import P, Store
+from chatsvc.store.turns import Retention
 from chatsvc.turns import TurnRegistry
 from engine.client import EngineClient
 from engine.protocol import EngineDeadError
@@ -127,6 +128,8 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     offload = Offload(engine)
     auth = Auth(settings.api_keys, settings.admin_keys)
     isolation = CacheIsolation(auth)
+    store.retention_source = lambda: Retention.for_context(settings.history_max_messages, settings.history_max_bytes,
+                                                          engine.max_model_len)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=auth, metrics=m,
                  personas=Personas(engine, store, settings, offload, isolation),
                  turns=TurnRegistry(engine, store, m, settings, offload, isolation), offload=offload,

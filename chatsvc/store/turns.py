@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,11 +284,15 @@ def _turn_keys(sid: str) -> list[str]:
 
 
 class TurnStore(Liveness):
-    # The gateway sets it from its settings and the model's context (chatsvc.app).
-    retention = Retention()
+    # The gateway's settings and the model's context, which a remote engine learns only once a worker
+    # answers (chatsvc.app sets it); unset: the default caps without a floor.
+    retention_source: Callable[[], Retention] | None = None
+
+    def retention(self) -> Retention:
+        return Retention() if self.retention_source is None else self.retention_source()
 
     def _turn_args(self, sid: str, lock: str = "", alive: bool = False, *extra: object) -> list[object]:
-        r = self.retention
+        r = self.retention()
         return [stream_prefix(sid), time.time(), self.session_ttl_s, self.stream_ttl_s, lock,
                 "1" if alive else "0", r.max_messages, r.max_bytes, r.floor_tokens, *extra]
 
