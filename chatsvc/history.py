@@ -104,7 +104,7 @@ def whole_turns(page: MessagePage) -> list[dict[str, Any]]:
 async def fit_stored_history(
         read: Callable[[int], Awaitable[MessagePage]],
         fit: Callable[[list[dict[str, Any]]], Awaitable[tuple[list[int], int]]],
-        first: int = FIRST_TAIL) -> tuple[list[int], int, list[dict[str, Any]]]:
+        first: int | None = None) -> tuple[list[int], int, list[dict[str, Any]]]:
     """(prompt ids, turns dropped, the messages read): :func:`fit_conversation` (``fit``) of the stored
     history's newest turns, read with ``read(n)`` (the newest ``n`` messages, user messages counted) in
     tails growing until one does not fit whole or no older message is stored.
@@ -112,7 +112,7 @@ async def fit_stored_history(
     Exact: fitting is monotone in the turns dropped, so when a tail does not fit whole, keeping any older
     turn would not fit either, and the fewest turns to drop are found inside the tail. Turns dropped count
     the whole conversation's, trimmed ones included (its user messages before the tail, each a turn's start)."""
-    n = first
+    n = first or FIRST_TAIL
     while True:
         page = await read(n)
         history = whole_turns(page)
