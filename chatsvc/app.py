@@ -39,6 +39,7 @@ from chatsvc.quotas import Quotas
 from chatsvc.rates import Rates
 from chatsvc.settings import Settings
 from chatsvc.store import Store
+from chatsvc.store.turns import Retention
 from chatsvc.turns import TurnRegistry
 from engine.client import EngineClient
 from engine.protocol import EngineDeadError
@@ -153,6 +154,8 @@ def create_app(engine: EngineClient, store: Store, settings: Settings | None = N
     rates = Rates(settings, store.r, m)
     turns = TurnRegistry(engine, store, m, settings, offload, isolation)
     turns.rates = rates
+    store.retention_source = lambda: Retention.for_context(settings.history_max_messages, settings.history_max_bytes,
+                                                          engine.max_model_len)
     gw = Gateway(engine=engine, store=store, settings=settings, auth=auth, metrics=m,
                  personas=Personas(engine, store, settings, offload, isolation, rates),
                  turns=turns, offload=offload,

@@ -1,10 +1,15 @@
-"""Fitting a session's history into the model's context: the oldest turns go first, the system prompt stays."""
+"""Fitting a session's history into the model's context: the oldest turns go first, the system prompt stays.
+
+A turn reads only the newest messages it can use (:func:`fit_stored_history`): tails growing until the
+context is full or the history is exhausted, with exactly the prompt the whole history would give."""
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from chatsvc.store.sessions import MessagePage
 from chatsvc.tools import chat_prompt_ids
 
 TEMPLATE_TOKENS = 5  # what the chat template adds around one message (<|im_start|>role\n ... <|im_end|>\n)
@@ -81,3 +86,38 @@ def fit_conversation(tokenizer: Any, system_prompt: str, history: list[dict[str,
             lo, step = lo + step, step * 2
     hi = lo + bisect.bisect_left(range(lo, hi), True, key=fits)
     return ids(hi), hi
+
+
+FIRST_TAIL = 32  # messages a turn reads first; each further read takes four times as many
+TAIL_GROWTH = 4
+
+
+def whole_turns(page: MessagePage) -> list[dict[str, Any]]:
+    """The page's messages from its first user message on: a tail cut inside a turn would make that turn's
+    rest a turn of its own, which the whole history does not have. The whole history is kept as it is."""
+    if page.first_index == 0:
+        return page.messages
+    first = next((i for i, m in enumerate(page.messages) if m.get("role") == "user"), len(page.messages))
+    return page.messages[first:]
+
+
+async def fit_stored_history(
+        read: Callable[[int], Awaitable[MessagePage]],
+        fit: Callable[[list[dict[str, Any]]], Awaitable[tuple[list[int], int]]],
+        first: int | None = None) -> tuple[list[int], int, list[dict[str, Any]]]:
+    """(prompt ids, turns dropped, the messages read): :func:`fit_conversation` (``fit``) of the stored
+    history's newest turns, read with ``read(n)`` (the newest ``n`` messages, user messages counted) in
+    tails growing until one does not fit whole or no older message is stored.
+
+    Exact: fitting is monotone in the turns dropped, so when a tail does not fit whole, keeping any older
+    turn would not fit either, and the fewest turns to drop are found inside the tail. Turns dropped count
+    the whole conversation's, trimmed ones included (its user messages before the tail, each a turn's start)."""
+    n = first or FIRST_TAIL
+    while True:
+        page = await read(n)
+        history = whole_turns(page)
+        ids, dropped = await fit(history)
+        if dropped > 0 or not page.has_more:
+            before = 0 if page.first_index == 0 else page.user_messages - sum(m.get("role") == "user" for m in history)
+            return ids, before + dropped, history
+        n *= TAIL_GROWTH

@@ -82,10 +82,40 @@ async def update_session(gw: Gateway, meta: SessionMeta, req: SessionUpdate) -> 
     return updated
 
 
-async def session_view(gw: Gateway, meta: SessionMeta) -> dict[str, Any]:
+def page_limit(gw: Gateway, value: object) -> int:
+    """A client's ``limit`` of messages (None: the default page); 400 unless 1..max_history_page."""
+    if value is None:
+        return gw.settings.history_page
+    return _index(value, "limit", 1, gw.settings.max_history_page)
+
+
+def _index(value: object, name: str, low: int, high: int | None = None) -> int:
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(text, str) or not text.isascii() or not text.isdigit() or len(text) > 19:
+        raise APIError(400, f"{name} must be a whole number", code="invalid_value", param=name)
+    n = int(text)
+    if n < low or high is not None and n > high:
+        raise APIError(400, f"{name} must be between {low} and {high}" if high is not None
+                       else f"{name} must be at least {low}", code="invalid_value", param=name)
+    return n
+
+
+async def history_page(gw: Gateway, meta: SessionMeta, limit: object = None,
+                       before: object = None) -> dict[str, Any]:
+    """The session's messages before the absolute index ``before`` (None: the newest), ``limit`` of them;
+    ``first_index`` and ``has_more`` say where to ask next."""
+    page = await gw.store.message_page(meta.id, page_limit(gw, limit),
+                                       None if before is None else _index(before, "before", 0))
+    return {"id": meta.id, **page.public()}
+
+
+async def session_view(gw: Gateway, meta: SessionMeta, limit: object = None) -> dict[str, Any]:
+    """The session with its newest messages (``limit``, or the default page)."""
+    size = page_limit(gw, limit)
     # Busy here, or on another live instance (a dead instance's lock does not count).
     busy = meta.id in gw.turns.active or await gw.store.is_busy(meta.id)
-    return {**meta.public(), "busy": busy, "messages": await gw.store.messages(meta.id)}
+    page = await gw.store.message_page(meta.id, size)
+    return {**meta.public(), "busy": busy, **page.public()}
 
 
 @dataclass(eq=False)

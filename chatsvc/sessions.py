@@ -45,13 +45,18 @@ async def session(request: Request) -> JSONResponse:
                                                                                     gw.settings.max_body_bytes)))
     else:
         ops.warm_session(gw, meta)
+        return JSONResponse(await ops.session_view(gw, meta, request.query_params.get("limit")))
     return JSONResponse(await ops.session_view(gw, meta))
 
 
 async def post_message(request: Request) -> Response:
+    """POST: send a message (its reply streams back); GET: a page of older messages (``?limit=&before=``)."""
     gw = gateway(request)
     owner = gw.auth.from_http(request.headers, request.query_params)
     meta = await ops.load_session(gw, request.path_params["sid"], owner)
+    if request.method == "GET":
+        q = request.query_params
+        return JSONResponse(await ops.history_page(gw, meta, q.get("limit"), q.get("before")))
     if request.headers.get("last-event-id"):
         # An SSE client reconnecting to the POST resumes the reply; it does not send a new message.
         return _sse_response(gw, await ops.resume(gw, meta, request.headers["last-event-id"]))
@@ -94,7 +99,7 @@ async def cancel_reply(request: Request) -> JSONResponse:
 routes = [
     Route("/v1/sessions", sessions, methods=["GET", "POST"]),
     Route("/v1/sessions/{sid}", session, methods=["GET", "PATCH", "DELETE"]),
-    Route("/v1/sessions/{sid}/messages", post_message, methods=["POST"]),
+    Route("/v1/sessions/{sid}/messages", post_message, methods=["GET", "POST"]),
     Route("/v1/sessions/{sid}/stream", stream_reply, methods=["GET"]),
     Route("/v1/sessions/{sid}/cancel", cancel_reply, methods=["POST"]),
 ]

@@ -126,6 +126,18 @@ class Settings:
                                     "seconds a client may take to send a request's headers (408 and close past it)")
     body_timeout_s: float = _flag(60.0, "--body-timeout",
                                   "seconds a client may take to send a request's body once its headers are in")
+    # Each session's stored history: the oldest whole turns are dropped past either cap, never below twice
+    # the model's context (chatsvc.store.turns.Retention), so what the model sees is unchanged.
+    history_max_messages: int = _flag(1000, "--history-max-messages",
+                                      "messages kept per session; older turns are dropped (never below what "
+                                      "the model's context can show)")
+    history_max_bytes: int = _flag(1 << 20, "--history-max-bytes",
+                                   "bytes of messages kept per session; older turns are dropped (never below "
+                                   "what the model's context can show)")
+    # GET /v1/sessions/{id} and the WebSocket hello show this many of the newest messages; a client pages
+    # older ones (GET /v1/sessions/{id}/messages) up to max_history_page at a time.
+    history_page: int = 100
+    max_history_page: int = 1000
     # On SIGTERM, how long in-flight turns may take to finish while new ones get 503 (chatsvc.drain).
     drain_timeout_s: float = _flag(30.0, "--drain-timeout",
                                    "on SIGTERM, seconds in-flight turns may take to finish before the gateway exits "

@@ -53,7 +53,7 @@ from redis.exceptions import RedisError
 from chatsvc.cache_isolation import CacheIsolation
 from chatsvc.errors import APIError
 from chatsvc.generation import Generation
-from chatsvc.history import fit_conversation
+from chatsvc.history import fit_conversation, fit_stored_history
 from chatsvc.metrics import Metrics
 from chatsvc.offload import Offload
 from chatsvc.quotas import Lease
@@ -214,23 +214,28 @@ class TurnRegistry:
                            code="message_too_large", param="content")
         if meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
-        history = await self.store.messages(meta.id)
         message = sampling.stored()
-        if unknown_tool_results([*history, message]) == len(history):
-            raise APIError(400, f"tool_call_id {sampling.tool_call_id!r} matches no tool call of this session",
-                           code="invalid_value", param="tool_call_id")
         tools = sampling.tool_dicts() if sampling.calls_tools() else None
         tok = self.engine.tokenizer
         max_len = self.engine.max_model_len
         room = sampling.max_tokens or min(self.settings.default_session_max_tokens, max_len // 4)
 
-        def tokenize() -> tuple[list[int], int, int]:
-            ids, dropped = fit_conversation(tok, meta.system_prompt, history, message, max_len, room, tools)
-            return ids, dropped, len(tok.encode(content))
+        def tokenize(history: list[dict[str, Any]]) -> tuple[list[int], int]:
+            return fit_conversation(tok, meta.system_prompt, history, message, max_len, room, tools)
 
-        # A long history and message take the tokenizer a while (it releases the GIL): not on the loop.
-        prompt_ids, truncated, content_tokens = await (
-            self.offload.run(tokenize) if self.offload is not None else asyncio.to_thread(tokenize))
+        async def fit(history: list[dict[str, Any]]) -> tuple[list[int], int]:
+            # A long history and message take the tokenizer a while (it releases the GIL): not on the loop.
+            return await (self.offload.run(tokenize, history) if self.offload is not None
+                          else asyncio.to_thread(tokenize, history))
+
+        # Only the newest messages the context can hold are read and decoded (chatsvc.history).
+        prompt_ids, truncated, history = await fit_stored_history(
+            lambda n: self.store.message_page(meta.id, n, count_users=True), fit)
+        if unknown_tool_results([*history, message]) == len(history):
+            raise APIError(400, f"tool_call_id {sampling.tool_call_id!r} matches no tool call of this session",
+                           code="invalid_value", param="tool_call_id")
+        content_tokens = len(await (self.offload.run(tok.encode, content) if self.offload is not None
+                                    else asyncio.to_thread(tok.encode, content)))
         max_tokens = resolve_max_tokens(sampling.max_tokens, len(prompt_ids), self.engine.max_model_len,
                                         self.settings.default_session_max_tokens)
         params = sampling.sampling_params(max_tokens)

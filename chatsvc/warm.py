@@ -51,8 +51,10 @@ class SessionWarmer:
 
     async def _warm(self, meta: SessionMeta) -> None:
         try:
-            history = await self.store.messages(meta.id)
-            if not history:
+            # Each message is at least TEMPLATE_TOKENS: a history of more than this is past the context.
+            page = await self.store.message_page(meta.id, self.engine.max_model_len // TEMPLATE_TOKENS + 1)
+            history = page.messages
+            if not history or page.has_more or page.trimmed:
                 return
             # A history past the context is cut when the next prompt is fitted: its blocks would not match.
             guessed = sum(len(str(m.get("content") or "")) // 4 + TEMPLATE_TOKENS for m in history)

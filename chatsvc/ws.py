@@ -90,13 +90,14 @@ class Connection:
             raise APIError(400, "session_id and persona must be strings", code="invalid_value")
         # A new session takes its settings from the hello (``response_format``), as POST /v1/sessions does.
         settings = None if sid else parse(SessionCreate, {k: frame[k] for k in ("response_format",) if k in frame})
+        limit = ops.page_limit(self.gw, frame.get("limit"))  # a bad limit creates nothing
         meta = await (ops.load_session(self.gw, sid, self.owner) if sid
                       else ops.create_session(self.gw, self.owner, persona, settings=settings))
         if sid:
             ops.warm_session(self.gw, meta)
         self._stop_pump(abort_now=False)
         self.meta = meta
-        await self.send({"type": "session", **await ops.session_view(self.gw, meta)})
+        await self.send({"type": "session", **await ops.session_view(self.gw, meta, limit)})
 
     def _following(self, meta: SessionMeta) -> bool:
         """This socket's pump is reading the session's latest reply right now."""

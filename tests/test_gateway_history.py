@@ -1,10 +1,13 @@
-"""chatsvc/history.py: a session's history is cut from its oldest turn until the reply has room."""
+"""chatsvc/history.py: a session's history is cut from its oldest turn until the reply has room; a turn reads
+only the tail of it that it needs, with the same result."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from chatsvc.history import fit_conversation
+from chatsvc.history import fit_conversation, fit_stored_history
+from chatsvc.store.sessions import MessagePage
 
 
 class WordTokenizer:
@@ -112,3 +115,49 @@ def test_a_long_history_is_never_tokenized_whole() -> None:
     prompt, dropped = fit_conversation(tok, "sys", history, "hello", max_model_len=2048, room=256)
     assert len(prompt) + 256 <= 2048 and dropped == 5000 - 4  # four turns of 404 tokens fit, five do not
     assert tok.calls <= 4 and max(tok.sizes) <= 2 * 2048, tok.sizes
+
+
+def stored(history: list[dict[str, Any]], reads: list[int]) -> Callable[[int], Awaitable[MessagePage]]:
+    """The store's newest-``n`` page of ``history`` (chatsvc.store.sessions.message_page's shape)."""
+
+    async def read(n: int) -> MessagePage:
+        reads.append(n)
+        page = history[max(0, len(history) - n):]
+        return MessagePage(page, len(history) - len(page), len(history), 0,
+                           sum(m["role"] == "user" for m in history))
+    return read
+
+
+def whole_fit(tok: WordTokenizer, history: list[dict[str, Any]], max_len: int,
+              room: int) -> Callable[[list[dict[str, Any]]], Awaitable[tuple[list[int], int]]]:
+    async def fit(part: list[dict[str, Any]]) -> tuple[list[int], int]:
+        return fit_conversation(tok, "sys", part, "hello there", max_len, room)
+    return fit
+
+
+async def test_tails_give_exactly_the_prompt_and_count_of_the_whole_history() -> None:
+    import random
+
+    rng = random.Random(11)
+    for case in range(300):
+        history: list[dict[str, Any]] = []
+        for i in range(rng.randrange(0, 60)):
+            history.append({"role": "user", "content": " ".join([f"u{i}"] * rng.randrange(1, 30))})
+            for _ in range(rng.choice((1, 1, 1, 3))):  # a turn of several messages: replies and tool results
+                history.append({"role": rng.choice(("assistant", "tool")), "content": " ".join(["a"] * rng.randrange(0, 30))})
+        max_len, room = rng.randrange(20, 800), rng.randrange(0, 30)
+        want = fit_conversation(WordTokenizer(), "sys", history, "hello there", max_len, room)
+        reads: list[int] = []
+        ids, dropped, read = await fit_stored_history(stored(history, reads), whole_fit(WordTokenizer(), history,
+                                                                                          max_len, room), first=4)
+        assert (ids, dropped) == want, case
+        assert read == history[len(history) - len(read):]  # a tail, whole turns from its first message
+        # Each tail is four times the last: the reads end within a factor of four of what the prompt needs.
+        assert reads == [4 * 4 ** k for k in range(len(reads))]
+
+
+async def test_a_long_history_reads_only_a_tail_near_the_context() -> None:
+    history = turns(5000, words=200)
+    reads: list[int] = []
+    ids, dropped, read = await fit_stored_history(stored(history, reads), whole_fit(WordTokenizer(), history, 2048, 256))
+    assert dropped == 5000 - 4 and len(read) <= 32 and reads == [32]

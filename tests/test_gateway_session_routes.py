@@ -148,3 +148,53 @@ def test_kv_stream_sends_kv_events(server: LiveServer, sid: str) -> None:
         assert next(line for line in lines if line.startswith("event:")) == "event: kv"
         data = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
     assert data["session"]["id"] == sid and data["session"]["blocks"] == []
+
+
+def fill(redis_url: str, sid: str, turns: int, owner: str | None = None) -> str:
+    """``turns`` stored turns in session ``sid`` (a new session of ``owner`` when given), through the store."""
+    import asyncio
+
+    from chatsvc.store import Store
+
+    async def run() -> str:
+        store = Store.from_url(redis_url)
+        try:
+            nonlocal sid
+            if owner is not None:
+                sid = (await store.create_session(owner, "tutor", "sys")).id
+            for turn in range(1, turns + 1):
+                assert await store.begin_turn(sid, {"role": "user", "content": f"u{turn}"}) == turn
+                await store.end_turn(sid, turn, {"role": "assistant", "content": f"a{turn}"})
+            return sid
+        finally:
+            await store.close()
+    return asyncio.run(run())
+
+
+def test_a_session_shows_its_newest_messages_and_pages_older_ones(server: LiveServer, sid: str,
+                                                                 redis_proc) -> None:  # noqa: F811
+    fill(redis_proc.url, sid, 55)
+    view = httpx.get(f"{server.url}/v1/sessions/{sid}").json()
+    assert len(view["messages"]) == 100 and view["messages"][-1]["content"] == "a55"
+    assert (view["first_index"], view["has_more"], view["message_count"], view["trimmed_messages"]) == (10, True, 110, 0)
+    small = httpx.get(f"{server.url}/v1/sessions/{sid}", params={"limit": 3}).json()
+    assert [m["content"] for m in small["messages"]] == ["a54", "u55", "a55"] and small["first_index"] == 107
+    older = httpx.get(f"{server.url}/v1/sessions/{sid}/messages", params={"before": 10, "limit": 1000}).json()
+    assert [m["content"] for m in older["messages"]][:3] == ["u1", "a1", "u2"] and len(older["messages"]) == 10
+    assert (older["first_index"], older["has_more"]) == (0, False)
+    newest = httpx.get(f"{server.url}/v1/sessions/{sid}/messages").json()
+    assert newest["messages"] == view["messages"]
+
+
+@pytest.mark.parametrize("query", [{"limit": 0}, {"limit": 1001}, {"limit": "x"}, {"before": -1}, {"before": "١"}])
+def test_a_bad_page_is_a_400(server: LiveServer, sid: str, query: dict[str, Any]) -> None:
+    r = httpx.get(f"{server.url}/v1/sessions/{sid}/messages", params=query)
+    assert r.status_code == 400 and r.json()["error"]["param"] == next(iter(query))
+    if "limit" in query:
+        assert httpx.get(f"{server.url}/v1/sessions/{sid}", params=query).status_code == 400
+
+
+def test_another_owners_messages_are_not_found(server: LiveServer, redis_proc) -> None:  # noqa: F811
+    other = fill(redis_proc.url, "", 2, owner="someone-else")
+    r = httpx.get(f"{server.url}/v1/sessions/{other}/messages")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"

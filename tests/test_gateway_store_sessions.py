@@ -1,12 +1,16 @@
-"""chatsvc/store/sessions.py on a real Redis: sessions owned, listed newest first, expiring, deleted whole."""
+"""chatsvc/store/sessions.py on a real Redis: sessions owned, listed newest first, expiring, deleted whole;
+their prompt stored once and referenced; their messages read a page at a time."""
 
 from __future__ import annotations
+
+import json
 
 from gateway_fixtures import redis_proc, redis_url  # noqa: F401
 from store_fixtures import append_event, store  # noqa: F401
 
 from chatsvc.store import Store, session_key
-from chatsvc.store.keys import stream_key
+from chatsvc.store.keys import messages_key, prompt_key, stream_key
+from chatsvc.store.sessions import prompt_sha
 
 
 async def test_sessions_are_owned_listed_newest_first_and_deleted(store: Store) -> None:  # noqa: F811
@@ -65,3 +69,54 @@ async def test_update_session_changes_only_an_owned_live_session(store: Store) -
     assert (await store.get_session(s.id, "o") or s).title == "t"
     assert await store.update_session("gone", "o", title="x") is None
     assert not await store.r.exists(session_key("gone"))  # no session appears from an update
+
+
+async def test_sessions_share_one_stored_copy_of_their_prompt(store: Store) -> None:  # noqa: F811
+    prompt = "You are a patient tutor. " * 40
+    a = await store.create_session("o", "tutor", prompt)
+    b = await store.create_session("p", "tutor", prompt)
+    assert a.prompt_sha == b.prompt_sha == prompt_sha(prompt)
+    assert not await store.r.hexists(session_key(a.id), "system_prompt")  # referenced, not copied
+    assert await store.r.keys("chatsvc:prompt:*") == [prompt_key(a.prompt_sha)]
+    await store.r.expire(prompt_key(a.prompt_sha), 5)
+    got = await store.get_session(a.id, "o")
+    assert got is not None and got.system_prompt == prompt
+    assert await store.r.ttl(prompt_key(a.prompt_sha)) > 60  # a read refreshes it past the session's TTL
+    assert (await store.meta_of(b.id) or a).system_prompt == prompt
+    assert [m.system_prompt for m in await store.list_sessions("o")] == [""]  # a listing does not resolve it
+
+
+async def test_a_session_that_holds_its_prompt_inline_still_works(store: Store) -> None:  # noqa: F811
+    sid = "legacy-" + "x" * 21
+    await store.r.hset(session_key(sid), mapping={"id": sid, "owner": "o", "persona": "p", "system_prompt": "old",
+                                                  "title": "", "created": 1.0, "updated": 1.0, "turns": 1,
+                                                  "replied": 1})
+    await store.r.rpush(messages_key(sid), json.dumps({"role": "user", "content": "hi"}),
+                        json.dumps({"role": "assistant", "content": "hello"}))
+    meta = await store.get_session(sid, "o")
+    assert meta is not None and meta.system_prompt == "old" and meta.prompt_sha == ""
+    page = await store.message_page(sid, 10, count_users=True)
+    assert (page.first_index, page.message_count, page.user_messages, page.has_more) == (0, 2, 1, False)
+    assert await store.begin_turn(sid, {"role": "user", "content": "again"}) == 2
+    assert await store.end_turn(sid, 2, {"role": "assistant", "content": "yes"}) == 1
+    raw = await store.r.hgetall(session_key(sid))
+    stored = await store.r.lrange(messages_key(sid), 0, -1)
+    assert int(raw["history_bytes"]) == sum(len(m.encode()) for m in stored) and raw["user_messages"] == "2"
+
+
+async def test_message_pages_are_read_by_absolute_index(store: Store) -> None:  # noqa: F811
+    s = await store.create_session("o", "p", "sys")
+    for turn in range(1, 6):
+        assert await store.begin_turn(s.id, {"role": "user", "content": f"u{turn}"}) == turn
+        await store.end_turn(s.id, turn, {"role": "assistant", "content": f"a{turn}"})
+    newest = await store.message_page(s.id, 4)
+    assert [m["content"] for m in newest.messages] == ["u4", "a4", "u5", "a5"]
+    assert (newest.first_index, newest.message_count, newest.has_more) == (6, 10, True)
+    older = await store.message_page(s.id, 4, before=newest.first_index)
+    assert older.first_index == 2 and older.has_more
+    assert [m["content"] for m in older.messages] == ["u2", "a2", "u3", "a3"]
+    first = await store.message_page(s.id, 4, before=older.first_index)
+    assert [m["content"] for m in first.messages] == ["u1", "a1"] and not first.has_more
+    assert (await store.message_page(s.id, 3, before=99)).first_index == 7  # past the end: the newest
+    assert (await store.message_page(s.id, 3, before=0)).messages == []
+    assert (await store.message_page(s.id, 3, count_users=True)).user_messages == 5

@@ -10,8 +10,9 @@ from gateway_fixtures import redis_proc, redis_url  # noqa: F401
 from store_fixtures import append_event, store  # noqa: F401
 
 from chatsvc.store import SessionGone, Store
-from chatsvc.store.keys import lock_key
+from chatsvc.store.keys import lock_key, messages_key, session_key
 from chatsvc.store.liveness import LOCK_TTL_S
+from chatsvc.store.turns import Retention
 
 
 async def test_concurrent_turns_append_once(store: Store) -> None:  # noqa: F811
@@ -141,3 +142,54 @@ async def test_one_gateway_takes_over_each_running_turn_of_a_dead_one(store: Sto
     # The taker now holds the turn: it stores the reply, and nothing is recovered as interrupted.
     assert await peer.end_turn(s2.id, 1, {"role": "assistant", "content": "relayed"}) == 1
     assert await store.recover_dead_turns() == []
+
+
+async def _turns(store: Store, sid: str, first: int, last: int, tokens: int = 10, size: int = 10) -> None:  # noqa: F811
+    for turn in range(first, last + 1):
+        assert await store.begin_turn(sid, {"role": "user", "content": f"u{turn}".ljust(size), "tokens": tokens}) == turn
+        assert await store.end_turn(sid, turn, {"role": "assistant", "content": f"a{turn}".ljust(size),
+                                                "tokens": tokens}) == 1
+
+
+async def _stored_bytes(store: Store, sid: str) -> int:  # noqa: F811
+    return sum(len(m.encode()) for m in await store.r.lrange(messages_key(sid), 0, -1))
+
+
+async def test_retention_drops_the_oldest_whole_turns_past_the_message_cap(store: Store) -> None:  # noqa: F811
+    store.retention_source = lambda: Retention(max_messages=5, max_bytes=1 << 20, floor_tokens=0)
+    s = await store.create_session("o", "p", "sys")
+    await _turns(store, s.id, 1, 10)
+    msgs = await store.messages(s.id)
+    # 5 at most, cut at a turn's start: the newest two turns whole (the cap counts the pending user message).
+    assert [m["content"].strip() for m in msgs] == ["u9", "a9", "u10", "a10"]
+    raw = await store.r.hgetall(session_key(s.id))
+    assert raw["trimmed_messages"] == "16" and int(raw["history_bytes"]) == await _stored_bytes(store, s.id)
+    assert raw["user_messages"] == "10"  # trimmed ones still count: the turns left out of a prompt
+    page = await store.message_page(s.id, 100)
+    assert (page.first_index, page.message_count, page.has_more) == (16, 20, False)
+
+
+async def test_retention_drops_past_the_byte_cap_and_a_rollback_keeps_the_counts(store: Store) -> None:  # noqa: F811
+    s = await store.create_session("o", "p", "sys")
+    await _turns(store, s.id, 1, 3, size=1000)
+    store.retention_source = lambda: Retention(max_messages=1000, max_bytes=4500, floor_tokens=0)
+    await _turns(store, s.id, 4, 4, size=1000)
+    assert [m["content"].strip() for m in await store.messages(s.id)] == ["u3", "a3", "u4", "a4"]
+    assert await _stored_bytes(store, s.id) <= 4500
+    assert await store.begin_turn(s.id, {"role": "user", "content": "x" * 2000}) == 5  # over: u3 and a3 go
+    assert await store.rollback_turn(s.id, 5)
+    raw = await store.r.hgetall(session_key(s.id))
+    assert int(raw["history_bytes"]) == await _stored_bytes(store, s.id) and raw["user_messages"] == "4"
+    assert [m["content"].strip() for m in await store.messages(s.id)] == ["u4", "a4"]
+
+
+async def test_retention_never_drops_below_its_floor(store: Store) -> None:  # noqa: F811
+    # Each message is guessed at 10 + 5 tokens; the floor of 50 keeps the newest four messages, whatever the cap.
+    store.retention_source = lambda: Retention(max_messages=1, max_bytes=1, floor_tokens=50)
+    s = await store.create_session("o", "p", "sys")
+    await _turns(store, s.id, 1, 6)
+    assert [m["content"].strip() for m in await store.messages(s.id)] == ["u5", "a5", "u6", "a6"]
+    # A floor that ends inside a turn keeps that turn whole: never a reply without its message.
+    store.retention_source = lambda: Retention(max_messages=1, max_bytes=1, floor_tokens=20)
+    await _turns(store, s.id, 7, 7)
+    assert [m["content"].strip() for m in await store.messages(s.id)] == ["u7", "a7"]

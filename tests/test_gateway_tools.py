@@ -351,9 +351,10 @@ def test_tool_result_round_trips_through_a_session(server: LiveServer, redis_pro
     # The third turn's prompt is the history with the call and the result in it, exactly.
     import redis as sync_redis
 
-    from chatsvc.store.keys import session_key
+    from chatsvc.store.keys import prompt_key, session_key
 
-    system = sync_redis.Redis.from_url(redis_proc.url).hget(session_key(sid), "system_prompt")
+    r = sync_redis.Redis.from_url(redis_proc.url)
+    system = r.get(prompt_key(r.hget(session_key(sid), "prompt_sha").decode()))  # type: ignore[union-attr]
     assert isinstance(system, bytes)
     prompt = chat_prompt_ids(tokenizer, [
         {"role": "system", "content": system.decode()}, {"role": "user", "content": PROMPTS[0]},

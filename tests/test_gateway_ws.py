@@ -170,3 +170,15 @@ def test_bad_frames_get_an_error_frame_and_the_socket_stays_open(ws: ClientConne
     err = ask(ws, frames[-1])
     assert err["type"] == "error" and err["code"] == code
     assert ask(ws, {"type": "hello"})["type"] == "session"
+
+
+def test_hello_shows_the_newest_messages_up_to_its_limit(ws: ClientConnection) -> None:
+    sid = ask(ws, {"type": "hello"})["id"]
+    for _ in range(2):
+        ws.send(json.dumps({"type": "message", "content": "Hi there", "max_tokens": 50}))
+        until_done(ws)
+    session = ask(ws, {"type": "hello", "session_id": sid, "limit": 3})
+    assert [m["role"] for m in session["messages"]] == ["assistant", "user", "assistant"]
+    assert (session["first_index"], session["has_more"], session["message_count"]) == (1, True, 4)
+    assert len(ask(ws, {"type": "hello", "session_id": sid})["messages"]) == 4
+    assert ask(ws, {"type": "hello", "session_id": sid, "limit": 0})["code"] == "invalid_value"

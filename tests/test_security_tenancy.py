@@ -22,6 +22,7 @@ from chatsvc.app import create_app
 from chatsvc.personas import pin_key
 from chatsvc.settings import Settings
 from chatsvc.store import Store, session_key
+from chatsvc.store.keys import prompt_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 ADMIN, KA, KB = "admin-key", "key-a", "key-b"
@@ -111,8 +112,8 @@ def test_owner_personas_do_not_collide(server: LiveServer) -> None:
     for key, who in ((KA, "A's"), (KB, "B's")):
         assert who in httpx.get(f"{server.url}/v1/personas/mine", headers=H[key]).json()["system_prompt"]
         sid = httpx.post(server.url + "/v1/sessions", json={"persona": "mine"}, headers=H[key]).json()["id"]
-        owner = server.redis.hget(session_key(sid), "system_prompt")  # type: ignore[attr-defined]
-        assert who in owner
+        sha = server.redis.hget(session_key(sid), "prompt_sha")  # type: ignore[attr-defined]
+        assert who in server.redis.get(prompt_key(sha))  # type: ignore[attr-defined]
     for key in (KA, KB):
         assert httpx.delete(f"{server.url}/v1/personas/mine", headers=H[key]).status_code == 200
 

@@ -484,3 +484,36 @@ def test_phone_width_layout(open_tab: Callable[..., Tab]) -> None:
     start_chat(page, "pirate", max_tokens=4)
     assert page.locator("#input").is_visible() and page.locator("#send").is_visible()
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
+
+
+def test_a_long_session_shows_its_newest_messages_and_loads_earlier_ones(open_tab: Callable[..., Tab],
+                                                                        server: Server) -> None:
+    import asyncio
+    import concurrent.futures
+
+    from chatsvc.store import Store
+
+    sid = server.api("POST", "/v1/sessions", json={"persona": "tutor"})["id"]
+
+    async def fill() -> None:
+        store = Store.from_url(f"redis://127.0.0.1:{server.redis_port}")
+        try:
+            for turn in range(1, 61):
+                assert await store.begin_turn(sid, {"role": "user", "content": f"question {turn}"}) == turn
+                await store.end_turn(sid, turn, {"role": "assistant", "content": f"answer {turn}"})
+        finally:
+            await store.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # Playwright's loop runs in this thread
+        pool.submit(asyncio.run, fill()).result()
+    page = open_tab().page
+    page.goto(f"{server.url}/#session={sid}")
+    page.reload()
+    page.wait_for_selector(".load-earlier")
+    assert page.locator(".msg").count() == 100
+    assert page.locator(".msg .body").first.inner_text() == "question 11"
+    page.click(".load-earlier")
+    page.wait_for_function("() => document.querySelectorAll('.msg').length === 120")
+    bodies = page.locator(".msg .body").all_inner_texts()
+    assert bodies[:3] == ["question 1", "answer 1", "question 2"] and bodies[-1] == "answer 60"
+    assert page.locator(".load-earlier").count() == 0  # nothing older is stored

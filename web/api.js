@@ -75,6 +75,9 @@ export async function listSessions() {
 
 export const createSession = (persona) => request("POST", "/v1/sessions", { persona });
 export const getSession = (id) => request("GET", `/v1/sessions/${encodeURIComponent(id)}`);
+// Older messages: up to ``limit`` before the index ``before`` (a page's first_index).
+export const getMessages = (id, before, limit = 100) =>
+  request("GET", `/v1/sessions/${encodeURIComponent(id)}/messages?before=${before}&limit=${limit}`);
 
 // Turns any failure (ApiError, error frame, plain Error) into one sentence a person can act on.
 export function describeError(err) {

@@ -139,31 +139,66 @@ function showSessionHeader(personaName) {
   $("#chat-sub").textContent = p?.description || "";
 }
 
-function renderHistory(messages) {
+// ``page``: where the messages shown start ({first_index, has_more}): older ones load on request.
+function renderHistory(messages, page) {
   const box = $("#messages");
   box.replaceChildren();
-  for (const m of messages || []) {
-    if (!["user", "assistant", "tool"].includes(m.role)) continue; // the persona's system prompt
-    const node = addMessage(m.role, m.content);
-    if (m.role === "tool") node.dataset.toolCallId = m.tool_call_id || "";
-    if (m.role === "assistant") {
-      showToolCalls(node, m.tool_calls);
-      const parts = [];
-      if (m.tokens != null) parts.push(`${m.tokens} tokens`);
-      if (m.finish_reason) parts.push(finishLabel(m.finish_reason));
-      const when = m.created ?? m.created_at;
-      if (when != null) parts.push(formatTime(when));
-      setMeta(node, parts.join(" · "));
-      markFinish(node, m.finish_reason);
-    }
-  }
+  for (const m of messages || []) renderStored(m);
   if (!box.children.length) {
     const hint = document.createElement("p");
     hint.className = "muted empty-hint";
     hint.textContent = "Say hello to start the conversation.";
     box.append(hint);
   }
+  showEarlierButton(page);
   scrollDown(true);
+}
+
+function renderStored(m) {
+  if (!["user", "assistant", "tool"].includes(m.role)) return null; // the persona's system prompt
+  const node = addMessage(m.role, m.content);
+  if (m.role === "tool") node.dataset.toolCallId = m.tool_call_id || "";
+  if (m.role === "assistant") {
+    showToolCalls(node, m.tool_calls);
+    const parts = [];
+    if (m.tokens != null) parts.push(`${m.tokens} tokens`);
+    if (m.finish_reason) parts.push(finishLabel(m.finish_reason));
+    const when = m.created ?? m.created_at;
+    if (when != null) parts.push(formatTime(when));
+    setMeta(node, parts.join(" · "));
+    markFinish(node, m.finish_reason);
+  }
+  return node;
+}
+
+// A session comes with its newest messages; the older ones are read a page at a time, above them.
+function showEarlierButton(page) {
+  $("#messages .load-earlier")?.remove();
+  if (!page?.has_more) return;
+  const button = document.createElement("button");
+  button.type = "button";
+  button.className = "load-earlier";
+  button.textContent = "Load earlier messages";
+  button.addEventListener("click", () => loadEarlier(button, page.first_index));
+  $("#messages").prepend(button);
+}
+
+async function loadEarlier(button, before) {
+  const sid = state.sessionId;
+  button.disabled = true;
+  try {
+    const page = await api.getMessages(sid, before);
+    if (sid !== state.sessionId) return;
+    const box = $("#messages");
+    const height = box.scrollHeight;
+    const first = button.nextSibling;
+    for (const node of (page.messages || []).map(renderStored)) if (node) box.insertBefore(node, first);
+    box.scrollTop += box.scrollHeight - height; // the messages being read stay where they were
+    showEarlierButton(page);
+  } catch (err) {
+    button.disabled = false;
+    handleApiError(err);
+  }
 }
 
 // ---------- messages ----------
@@ -337,7 +372,7 @@ function onSession(frame) {
   }
   if (!state.historyShown) {
     state.historyShown = true;
-    if (Array.isArray(frame.messages)) renderHistory(frame.messages);
+    if (Array.isArray(frame.messages)) renderHistory(frame.messages, frame);
     else loadHistoryOverRest();
     // A reply is still being generated (e.g. the page was reloaded mid-reply): follow it from its start.
     if (frame.busy && !state.reply) {
@@ -361,7 +396,7 @@ async function loadHistoryOverRest() {
   try {
     const s = await api.getSession(state.sessionId);
     showSessionHeader(s.persona);
-    renderHistory(s.messages);
+    renderHistory(s.messages, s);
   } catch (err) {
     handleApiError(err);
   }

@@ -5,10 +5,15 @@ Keys (prefix ``chatsvc:``; ``{id}`` is written with its braces, a Redis Cluster 
                                ``:seeded`` (never a persona name) is set once the defaults were written (so
                                deletions stick)
 - ``owner:<owner>:personas``   hash name -> JSON: one owner's own personas
-- ``session:{id}``             hash: id, owner, persona, system_prompt, title, created, updated, turns,
-                               response_format (JSON text or ""), replied (the last turn whose reply is
-                               stored: ``turns - 1`` while one runs)
-- ``session:{id}:messages``    list of JSON messages
+- ``session:{id}``             hash: id, owner, persona, prompt_sha (the system prompt's ``prompt:<sha>``; a
+                               session stored before prompts were shared holds system_prompt itself), title,
+                               created, updated, turns, response_format (JSON text or ""), replied (the last
+                               turn whose reply is stored: ``turns - 1`` while one runs), trimmed_messages
+                               (the oldest messages retention dropped), history_bytes (the message list's
+                               bytes), user_messages (user messages ever stored, trimmed ones included)
+- ``session:{id}:messages``    list of JSON messages, the oldest ``trimmed_messages`` gone
+- ``prompt:<sha256>``          a system prompt, stored once for every session that uses it; its TTL is
+                               refreshed whenever a session reads it
 - ``session:{id}:lock``        held while a reply is generated: the 409 guard. Its value is the owner
                                token ``instance|nonce|turn``; it has a short TTL its owner refreshes
 - ``owner:<owner>:sessions``   sorted set of session ids by creation time
@@ -62,6 +67,10 @@ def stream_key(sid: str, turn: int) -> str:
 
 def readers_key(sid: str, turn: int) -> str:
     return stream_key(sid, turn) + ":readers"
+
+
+def prompt_key(sha: str) -> str:
+    return f"{P}prompt:{sha}"
 
 
 def owner_sessions_key(owner: str) -> str:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from chatsvc.store.keys import (
@@ -34,9 +35,87 @@ LOCK_READ_TRIES = 5  # a lock that changes between reading it and acting on it i
 # Shared by the turn scripts. KEYS[1..3]: session hash, its messages, its lock.
 # ARGV[1]: the session's stream key prefix (the turn number follows), ARGV[2]: now, ARGV[3]: session TTL,
 # ARGV[4]: stream TTL, ARGV[5]: the lock as the caller last read it ('' for none), ARGV[6]: '1' if that
-# lock's holder was alive then (the caller read the holder's heartbeat key: another slot in a cluster).
+# lock's holder was alive then (the caller read the holder's heartbeat key: another slot in a cluster),
+# ARGV[7..9]: retention (:class:`Retention`): most messages, most bytes, floor tokens.
+#
+# Every message is appended by push(), which trims the list in the same script: the oldest whole turns go
+# while the list holds more than the most messages or bytes, but never any of the newest messages that hold
+# the floor's tokens (guessed as chatsvc.history guesses them), so what the context search can show the model
+# is never trimmed. history_bytes and user_messages are kept beside the list; a session stored before they
+# were gets them counted once, on its first push.
 _TURN_LUA_LIB = """
 local STREAM, NOW, SESSION_TTL, STREAM_TTL, SEEN, SEEN_ALIVE = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local MAX_MESSAGES, MAX_BYTES, FLOOR_TOKENS = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+
+local function decoded(raw)
+  local ok, m = pcall(cjson.decode, raw)
+  if ok and type(m) == 'table' then return m end
+  return {}
+end
+
+local function guessed_tokens(m)
+  local t = tonumber(m.tokens)
+  if not t or t <= 0 then t = math.floor(#tostring(m.content or '') / 3) end
+  return t + 5
+end
+
+local function counted()
+  if redis.call('HEXISTS', KEYS[1], 'history_bytes') == 0 then
+    local b = 0
+    for _, raw in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do b = b + #raw end
+    redis.call('HSET', KEYS[1], 'history_bytes', b)
+  end
+  if redis.call('HEXISTS', KEYS[1], 'user_messages') == 0 then
+    local users = 0
+    for _, raw in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+      if decoded(raw).role == 'user' then users = users + 1 end
+    end
+    redis.call('HSET', KEYS[1], 'user_messages', users)
+  end
+end
+
+local function trim()
+  local n = redis.call('LLEN', KEYS[2])
+  local bytes = tonumber(redis.call('HGET', KEYS[1], 'history_bytes'))
+  if n <= MAX_MESSAGES and bytes <= MAX_BYTES then return end
+  local keep, tokens = n, 0  -- the messages from keep on hold the floor: none of them goes
+  while keep > 0 and tokens < FLOOR_TOKENS do
+    keep = keep - 1
+    tokens = tokens + guessed_tokens(decoded(redis.call('LINDEX', KEYS[2], keep)))
+  end
+  local cut, cut_bytes, i, b = 0, 0, 0, 0
+  while i < keep and (n - cut > MAX_MESSAGES or bytes - cut_bytes > MAX_BYTES) do
+    b = b + #redis.call('LINDEX', KEYS[2], i)
+    i = i + 1
+    while i < keep do  -- the rest of the turn: up to the next user message
+      local raw = redis.call('LINDEX', KEYS[2], i)
+      if decoded(raw).role == 'user' then break end
+      b = b + #raw
+      i = i + 1
+    end
+    if i < keep or decoded(redis.call('LINDEX', KEYS[2], i)).role == 'user' then cut, cut_bytes = i, b end
+  end
+  if cut == 0 then return end
+  redis.call('LTRIM', KEYS[2], cut, -1)
+  redis.call('HINCRBY', KEYS[1], 'trimmed_messages', cut)
+  redis.call('HINCRBY', KEYS[1], 'history_bytes', -cut_bytes)
+end
+
+local function push(raw)
+  counted()
+  redis.call('RPUSH', KEYS[2], raw)
+  redis.call('HINCRBY', KEYS[1], 'history_bytes', #raw)
+  if decoded(raw).role == 'user' then redis.call('HINCRBY', KEYS[1], 'user_messages', 1) end
+  trim()
+end
+
+local function pop()
+  counted()
+  local raw = redis.call('RPOP', KEYS[2])
+  if not raw then return end
+  redis.call('HINCRBY', KEYS[1], 'history_bytes', -#raw)
+  if decoded(raw).role == 'user' then redis.call('HINCRBY', KEYS[1], 'user_messages', -1) end
+end
 
 -- The lock now, and whether its holder is alive; nil when it is not the lock the caller judged (retry).
 local function lock_state()
@@ -76,8 +155,7 @@ local function recover_pending()
   end
   local msg = {role = 'assistant', content = table.concat(parts), created = tonumber(NOW), tokens = tokens,
                finish_reason = 'interrupted', prompt_tokens = 0, cached_tokens = 0}
-  local encoded = cjson.encode(msg)
-  redis.call('RPUSH', KEYS[2], encoded)
+  push(cjson.encode(msg))
   redis.call('HSET', KEYS[1], 'replied', turns, 'updated', NOW)
   touch()
   -- A client resuming this reply hears that it ended instead of waiting for more.
@@ -90,7 +168,7 @@ local function recover_pending()
 end
 """
 
-# ARGV[7]: user message JSON, [8]: title if untitled, [9]: lock TTL ms, [10]: our token prefix
+# ARGV[10]: user message JSON, [11]: title if untitled, [12]: lock TTL ms, [13]: our token prefix
 # (instance|nonce). Returns the new turn, 0 (busy), -1 (no session) or -2 (the lock changed: read it again).
 _BEGIN_TURN_LUA = _TURN_LUA_LIB + """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -100,27 +178,27 @@ if alive then return 0 end
 recover_pending()
 local turn = redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HSET', KEYS[1], 'replied', turn - 1, 'updated', NOW)
-redis.call('RPUSH', KEYS[2], ARGV[7])
+push(ARGV[10])
 local title = redis.call('HGET', KEYS[1], 'title')
-if not title or title == '' then redis.call('HSET', KEYS[1], 'title', ARGV[8]) end
-redis.call('SET', KEYS[3], ARGV[10] .. '|' .. turn, 'PX', ARGV[9])
+if not title or title == '' then redis.call('HSET', KEYS[1], 'title', ARGV[11]) end
+redis.call('SET', KEYS[3], ARGV[13] .. '|' .. turn, 'PX', ARGV[12])
 touch()
 return turn
 """
 
-# ARGV[7]: owner token, [8]: turn, [9]: assistant message JSON. Stores the reply once (a retry after a
+# ARGV[10]: owner token, [11]: turn, [12]: assistant message JSON. Stores the reply once (a retry after a
 # lost answer, or a turn recovered meanwhile, stores nothing), then releases the lock if still ours.
 # Returns 1 (stored), 0 (already stored or superseded), -1 (the session was deleted) or -2 (fenced: another
 # gateway holds the lock; a lock that expired with nobody taking it is still ours).
 _END_TURN_LUA = _TURN_LUA_LIB + """
-local token, turn, out = ARGV[7], tonumber(ARGV[8]), -1
+local token, turn, out = ARGV[10], tonumber(ARGV[11]), -1
 local lock = redis.call('GET', KEYS[3])
 if lock and lock ~= token then return -2 end  -- fenced: the gateway that holds the lock now stores it
 if redis.call('EXISTS', KEYS[1]) == 1 then
   out = 0
   local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
   if turns == turn and replied_of(turns) < turn then
-    redis.call('RPUSH', KEYS[2], ARGV[9])
+    push(ARGV[12])
     redis.call('HSET', KEYS[1], 'replied', turn, 'updated', NOW)
     touch()
     out = 1
@@ -132,13 +210,13 @@ release(token)
 return out
 """
 
-# ARGV[7]: owner token, [8]: turn. Undoes begin_turn if that turn is still the pending one.
+# ARGV[10]: owner token, [11]: turn. Undoes begin_turn if that turn is still the pending one.
 _ROLLBACK_TURN_LUA = _TURN_LUA_LIB + """
-local token, turn = ARGV[7], tonumber(ARGV[8])
+local token, turn = ARGV[10], tonumber(ARGV[11])
 local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
 local out = 0
 if turns == turn and replied_of(turns) < turn then
-  redis.call('RPOP', KEYS[2])
+  pop()
   redis.call('HSET', KEYS[1], 'turns', turn - 1, 'replied', turn - 1)
   out = 1
 end
@@ -146,16 +224,16 @@ release(token)
 return out
 """
 
-# ARGV[7]: owner token, [8]: turn, [9]: lock TTL ms. Extends our lock; takes it again if it expired
+# ARGV[10]: owner token, [11]: turn, [12]: lock TTL ms. Extends our lock; takes it again if it expired
 # (a long Redis outage) while the turn is still pending. 1: held, 0: lost to a recovery or a new turn.
 _REFRESH_LOCK_LUA = _TURN_LUA_LIB + """
-local token, turn = ARGV[7], tonumber(ARGV[8])
+local token, turn = ARGV[10], tonumber(ARGV[11])
 local lock = redis.call('GET', KEYS[3])
-if lock == token then redis.call('PEXPIRE', KEYS[3], ARGV[9]) return 1 end
+if lock == token then redis.call('PEXPIRE', KEYS[3], ARGV[12]) return 1 end
 if lock then return 0 end
 local turns = tonumber(redis.call('HGET', KEYS[1], 'turns') or '0')
 if turns == turn and replied_of(turns) < turn then
-  redis.call('SET', KEYS[3], token, 'PX', ARGV[9])
+  redis.call('SET', KEYS[3], token, 'PX', ARGV[12])
   return 1
 end
 return 0
@@ -181,6 +259,22 @@ return 1
 """
 
 
+@dataclass(frozen=True)
+class Retention:
+    """How much of a session's history Redis keeps: the oldest whole turns are dropped past ``max_messages``
+    or ``max_bytes``, never below ``floor_tokens`` (guessed) of the newest messages."""
+
+    max_messages: int = 1000
+    max_bytes: int = 1 << 20
+    floor_tokens: int = 0
+
+    @classmethod
+    def for_context(cls, max_messages: int, max_bytes: int, max_model_len: int) -> Retention:
+        # Twice the context: a prompt holds less than the context, and a stored count may be off by a little
+        # from what the template renders; what no prompt can show is all that may go.
+        return cls(max_messages, max_bytes, 2 * max_model_len)
+
+
 class SessionGone(LookupError):
     """The session was deleted (or expired) between loading it and starting a turn."""
 
@@ -190,9 +284,17 @@ def _turn_keys(sid: str) -> list[str]:
 
 
 class TurnStore(Liveness):
+    # The gateway's settings and the model's context, which a remote engine learns only once a worker
+    # answers (chatsvc.app sets it); unset: the default caps without a floor.
+    retention_source: Callable[[], Retention] | None = None
+
+    def retention(self) -> Retention:
+        return Retention() if self.retention_source is None else self.retention_source()
+
     def _turn_args(self, sid: str, lock: str = "", alive: bool = False, *extra: object) -> list[object]:
+        r = self.retention()
         return [stream_prefix(sid), time.time(), self.session_ttl_s, self.stream_ttl_s, lock,
-                "1" if alive else "0", *extra]
+                "1" if alive else "0", r.max_messages, r.max_bytes, r.floor_tokens, *extra]
 
     async def begin_turn(self, sid: str, user_message: dict[str, Any], owner: str | None = None) -> int | None:
         """Take the session's lock and append the user message, in one step; None if a live instance is
