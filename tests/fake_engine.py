@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,6 +180,28 @@ def fake_gateway(redis_url: str, tokenizer_dir: Path, max_model_len: int = 512,
         wait_for(lambda: len(app.state.gateway.personas.pinned) >= 3, timeout=30)
         live.engine = engine  # type: ignore[attr-defined]
         yield live
+
+
+@contextmanager
+def fake_gateways(redis_url: str, tokenizer_dir: Path, settings: Any, count: int = 2,
+                  **engine_kw: Any) -> Iterator[list[LiveServer]]:
+    """``count`` real gateway apps, each over a FakeEngine of its own (as ``.engine``), on one Redis database
+    (emptied first): what one gateway counts in Redis, the others see."""
+    import redis
+
+    from chatsvc.app import create_app
+    from chatsvc.store import Store
+
+    redis.Redis.from_url(redis_url).flushdb()
+    tok = tiny_tokenizer(tokenizer_dir)
+    with ExitStack() as stack:
+        lives = []
+        for _ in range(count):
+            engine = FakeEngine(tok, **engine_kw)
+            live = stack.enter_context(LiveServer(create_app(engine, Store.from_url(redis_url, 3600, 60), settings)))
+            live.engine = engine  # type: ignore[attr-defined]
+            lives.append(live)
+        yield lives
 
 
 @pytest.fixture(name="engine")

@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,38 @@ def sse_json(r: httpx.Response) -> Iterator[dict[str, Any]]:
     for line in r.iter_lines():
         if line.startswith("data:") and line[5:].strip() != "[DONE]":
             yield json.loads(line[5:])
+
+
+class LongReply:
+    """A long session reply (``max_tokens``, EOS ignored) read on a thread of its own, its events kept as they
+    arrive: for faults injected while a reply streams."""
+
+    def __init__(self, url: str, sid: str, max_tokens: int) -> None:
+        self.events: list[dict[str, Any]] = []
+        msg = {"content": "Write a long essay.", "max_tokens": max_tokens, "ignore_eos": True}
+
+        def read() -> None:
+            with httpx.stream("POST", f"{url}/v1/sessions/{sid}/messages", json=msg, timeout=180) as r:
+                assert r.status_code == 200
+                self.events.extend(sse_json(r))
+
+        self.reader = threading.Thread(target=read)
+        self.reader.start()
+
+    def wait_streaming(self, timeout_s: float = 60) -> None:
+        """Until the first deltas have arrived (the reply is under way, not yet ended)."""
+        deadline = time.monotonic() + scaled(timeout_s)
+        while len(self.events) < 3:
+            assert time.monotonic() < deadline and self.reader.is_alive(), self.events
+            time.sleep(0.01)
+
+    def still_streaming(self) -> bool:
+        return bool(self.events) and self.events[-1]["type"] == "delta"
+
+    def join(self, timeout_s: float, output: Callable[[], str] = str) -> None:
+        """Until the reply ends; ``output`` (a server's log, say) is shown if it never does."""
+        self.reader.join(scaled(timeout_s))
+        assert not self.reader.is_alive(), "the reply never ended:\n" + output()
 
 
 def roles(messages: list[dict[str, Any]]) -> list[str]:

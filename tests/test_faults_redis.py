@@ -6,16 +6,14 @@ the OpenAI routes (no Redis) keep serving."""
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from gateway_fixtures import free_port
-from serve_process import PersistentRedis, Serve, assert_alternating, sse_json
+from serve_process import LongReply, PersistentRedis, Serve, assert_alternating, sse_json
 
 from chatsvc.store import session_key
 
@@ -53,24 +51,12 @@ def openai_serves(srv: Serve) -> None:
 def reply_through_outage(srv: Serve, red: PersistentRedis, outage: Callable[[], None]) -> None:
     """Start a long session reply, run ``outage`` once it streams, then check the reply was stored once."""
     sid = httpx.post(srv.url + "/v1/sessions", json={}, timeout=10).json()["id"]
-    events: list[dict[str, Any]] = []
-
-    def read() -> None:
-        msg = {"content": "Write a long essay.", "max_tokens": MAX_TOKENS, "ignore_eos": True}
-        with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages", json=msg, timeout=180) as r:
-            assert r.status_code == 200
-            events.extend(sse_json(r))
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    deadline = time.monotonic() + 60
-    while len(events) < 3:
-        assert time.monotonic() < deadline and reader.is_alive(), events
-        time.sleep(0.01)
+    reply = LongReply(srv.url, sid, MAX_TOKENS)
+    reply.wait_streaming()
     outage()
-    assert events[-1]["type"] == "delta", "the reply ended before Redis went away: nothing was tested"
-    reader.join(150)
-    assert not reader.is_alive(), "the reply never ended"
+    assert reply.still_streaming(), "the reply ended before Redis went away: nothing was tested"
+    reply.join(150)
+    events = reply.events
     done = events[-1]
     assert done["type"] == "done" and done["finish_reason"] == "length", done
     assert done["usage"]["completion_tokens"] == MAX_TOKENS  # it ran to the end, not cut by the outage

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
-import redis as sync_redis
-from fake_engine import FakeEngine, tiny_tokenizer
+from fake_engine import fake_gateways
 from gateway_fixtures import LiveServer, redis_proc, redis_url  # noqa: F401
 from store_fixtures import store  # noqa: F401
 
-from chatsvc.app import create_app
 from chatsvc.auth import ANON
 from chatsvc.errors import APIError
 from chatsvc.rates import Rates, seconds_until_room
@@ -63,17 +60,8 @@ SETTINGS = Settings(api_keys=(KA, KB), web_dir=Path("/nonexistent"), max_pinned_
 @pytest.fixture(scope="module")
 def gateways(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[LiveServer]]:  # noqa: F811
     """Two gateways, each with its own engine, on one Redis database."""
-    url = redis_proc.url.rsplit("/", 1)[0] + "/5"
-    sync_redis.Redis.from_url(url).flushdb()
-    tok = tiny_tokenizer(tmp_path_factory.mktemp("tok-rates"))
-    with ExitStack() as stack:
-        lives = []
-        for _ in range(2):
-            engine = FakeEngine(tok)
-            app = create_app(engine, Store.from_url(url, 3600, 60), SETTINGS)
-            live = stack.enter_context(LiveServer(app))
-            live.engine = engine  # type: ignore[attr-defined]
-            lives.append(live)
+    with fake_gateways(redis_proc.url.rsplit("/", 1)[0] + "/5", tmp_path_factory.mktemp("tok-rates"),
+                       SETTINGS) as lives:
         yield lives
 
 

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import httpx
 import pytest
 import redis
 from gateway_fixtures import free_port
-from serve_process import Serve, assert_alternating, sse_json
+from serve_process import LongReply, Serve, assert_alternating, sse_json
 from timing import scaled
 
 from chatsvc import redis_client
@@ -403,21 +402,12 @@ def test_gateway_reply_across_a_sentinel_failover(how: str, topology: Topology, 
         assert old_master == topology.master.port
 
         sid = httpx.post(srv.url + "/v1/sessions", json={}, timeout=10).json()["id"]
-        events: list[dict[str, Any]] = []
-
-        def read() -> None:
-            msg = {"content": "Write a long essay.", "max_tokens": MAX_TOKENS, "ignore_eos": True}
-            with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages", json=msg, timeout=180) as r:
-                assert r.status_code == 200
-                events.extend(sse_json(r))
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        Topology.wait(lambda: len(events) >= 3 or not reader.is_alive(), "the reply to stream")
+        reply = LongReply(srv.url, sid, MAX_TOKENS)
+        reply.wait_streaming(30)
         topology.failover(how)
-        assert events[-1]["type"] == "delta", "the reply ended before the failover: nothing was tested"
-        reader.join(scaled(150))
-        assert not reader.is_alive(), "the reply never ended:\n" + srv.output()
+        assert reply.still_streaming(), "the reply ended before the failover: nothing was tested"
+        reply.join(150, srv.output)
+        events = reply.events
         done = events[-1]
         assert done["type"] == "done" and done["finish_reason"] == "length", done
         assert done["usage"]["completion_tokens"] == MAX_TOKENS
@@ -465,21 +455,12 @@ def test_split_form_across_a_sentinel_failover(topology: Topology, tmp_path: Pat
     try:
         srv.start()
         sid = httpx.post(srv.url + "/v1/sessions", json={}, timeout=10).json()["id"]
-        events: list[dict[str, Any]] = []
-
-        def read() -> None:
-            msg = {"content": "Write a long essay.", "max_tokens": MAX_TOKENS, "ignore_eos": True}
-            with httpx.stream("POST", f"{srv.url}/v1/sessions/{sid}/messages", json=msg, timeout=180) as r:
-                assert r.status_code == 200
-                events.extend(sse_json(r))
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        Topology.wait(lambda: len(events) >= 3 or not reader.is_alive(), "the reply to stream")
+        reply = LongReply(srv.url, sid, MAX_TOKENS)
+        reply.wait_streaming(30)
         topology.failover("failover")
-        assert events[-1]["type"] == "delta", "the reply ended before the failover: nothing was tested"
-        reader.join(scaled(150))
-        assert not reader.is_alive(), "the reply never ended:\n" + srv.output()
+        assert reply.still_streaming(), "the reply ended before the failover: nothing was tested"
+        reply.join(150, srv.output)
+        events = reply.events
         done = events[-1]
         assert done["type"] == "done" and done["usage"]["completion_tokens"] == MAX_TOKENS, done
         text = "".join(e["text"] for e in events if e["type"] == "delta")

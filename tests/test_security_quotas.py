@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis as sync_redis
 import websockets
-from fake_engine import FakeEngine, tiny_tokenizer
+from fake_engine import FakeEngine, fake_gateways, tiny_tokenizer
 from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
 from websockets.sync.client import connect
 
@@ -251,17 +251,9 @@ def gateways(redis_proc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[l
     """Two gateways, each with its own engine, on one Redis (a database of their own): every per-key quota
     is shared between them."""
     url = redis_proc.url.rsplit("/", 1)[0] + "/1"
-    sync_redis.Redis.from_url(url).flushdb()
-    tok = tiny_tokenizer(tmp_path_factory.mktemp("tok-fair"))
-    with ExitStack() as stack:
-        lives = []
-        for _ in range(2):
-            engine = FakeEngine(tok, max_model_len=4096)
-            app = create_app(engine, Store.from_url(url, 3600, 60), FAIR)
-            live = stack.enter_context(LiveServer(app))
-            live.engine = engine  # type: ignore[attr-defined]
+    with fake_gateways(url, tmp_path_factory.mktemp("tok-fair"), FAIR, max_model_len=4096) as lives:
+        for live in lives:
             live.redis_url = url  # type: ignore[attr-defined]
-            lives.append(live)
         yield lives
 
 
