@@ -120,6 +120,40 @@ def test_many_sequences_with_their_kv_heads_handed_out_together(isa: str, gen: t
     _check(p, _prefill(p), dtype)
 
 
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif("avx512bf16" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize(("block_size", "group", "head_dim", "context_lens", "query_lens", "dtype", "shared"),
+                         [c for c in PREFILL_CASES if c[5] == torch.bfloat16])
+def test_bf16_prefill_with_and_without_amx_tiles(monkeypatch: pytest.MonkeyPatch, gen: torch.Generator,
+                                                  block_size: int, group: int, head_dim: int,
+                                                  context_lens: list[int], query_lens: list[int], dtype: torch.dtype,
+                                                  shared: int) -> None:
+    """The AVX512-BF16 build scores bf16 prefill tiles on AMX where the CPU has it, else with vdpbf16ps: both
+    paths against the oracle. Where the CPU has AMX-BF16 the tiles must be used (Linux grants the tile state
+    to any process that asks), so the tile code cannot go untested there; elsewhere both calls take vdpbf16ps."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx512bf16")
+    ext = cpu_kernels.load_extension("avx512bf16")
+    p = make_problem(context_lens, query_lens, block_size=block_size, group=group, head_dim=head_dim,
+                     dtype=dtype, shared_blocks=shared, generator=gen)
+    try:
+        assert not ext.set_amx(False)
+        without = _prefill(p)
+        used = ext.set_amx(True)
+        with_tiles = _prefill(p)
+    finally:
+        ext.set_amx(True)
+    assert used == _cpu_has_amx_bf16()
+    _check(p, without, dtype)
+    _check(p, with_tiles, dtype)
+
+
 @pytest.mark.parametrize("block_size", [1, 2, 64, 128, 256])
 def test_every_block_size_the_paper_sweeps(isa: str, gen: torch.Generator, block_size: int) -> None:
     """The block sizes benchmarks/paper/block_size.py runs beyond the cases above: one token per block, and

@@ -26,6 +26,11 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -242,6 +247,72 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// ---- AMX tiles (bf16 prefill scores) -------------------------------------------------------------------
+// Built into the AVX512-BF16 build and used only where CPUID reports AMX-BF16 and Linux grants this process
+// the tile state; set_amx turns them off (tests cover both paths on one machine).
+#if defined(__AVX512BF16__)
+bool amx_supported() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ok;
+}
+std::atomic<bool> amx_wanted{true};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// S[r][c] = Q[r] . K[c] for rows [0, rows) (a multiple of 16) and columns [0, cols) (a multiple of 16):
+// Q as bf16 pairs [rows][D / 2] (D a multiple of 32), K as pairs [D / 2][ldk], S float32 [rows][lds].
+// Tiles 0-3: four 16x16 blocks of S; 4: 16 query rows x 32 dims; 5: 32 dims x 16 positions (pairs).
+__attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const uint32_t* Q, const uint32_t* Kp, float* S,
+                                                            int64_t rows, int64_t cols, int64_t D, int64_t ldk,
+                                                            int64_t lds) {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  _tile_loadconfig(&cfg);
+  const int64_t qstride = D * 2, kstride = ldk * 4, sstride = lds * 4;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 64) {
+      const int64_t nb = std::min<int64_t>(4, (cols - c0) / 16);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t k0 = 0; k0 < D / 2; k0 += 16) {
+        _tile_loadd(4, Q + r0 * (D / 2) + k0, qstride);
+        _tile_loadd(5, Kp + k0 * ldk + c0, kstride);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) {
+          _tile_loadd(5, Kp + k0 * ldk + c0 + 16, kstride);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (nb > 2) {
+          _tile_loadd(5, Kp + k0 * ldk + c0 + 32, kstride);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (nb > 3) {
+          _tile_loadd(5, Kp + k0 * ldk + c0 + 48, kstride);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      float* out = S + r0 * lds + c0;
+      _tile_stored(0, out, sstride);
+      if (nb > 1) _tile_stored(1, out + 16, sstride);
+      if (nb > 2) _tile_stored(2, out + 32, sstride);
+      if (nb > 3) _tile_stored(3, out + 48, sstride);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // ---- paged attention ---------------------------------------------------------------------------------
 //
 // Work item: one sequence, one KV head, a tile of up to kQueryTile consecutive query tokens, and a range
@@ -318,6 +389,12 @@ struct Attention {
                        (tiled ? D % 2 == 0 && D <= 2 * kMaxPairs : D % kRowPairs == 0 && D <= kRowPairs * kRowVecs);
     // V on pairs too (accumulate_pairs) where the head size is whole vectors of them.
     const bool v_pairs = pairs && D % 32 == 0;
+#if defined(__AVX512BF16__)
+    // Prefill tiles score on AMX tiles where there are any (the same pair products, summed by the tile unit).
+    const bool amx = pairs && tiled && D % 32 == 0 && amx_wanted.load(std::memory_order_relaxed) && amx_supported();
+#else
+    constexpr bool amx = false;
+#endif
     uint32_t* QP = sc.qp.data();
     for (int64_t i = 0; i < n_q; ++i) {
       for (int64_t g = 0; g < group; ++g) {
@@ -374,6 +451,15 @@ struct Attention {
             for (int64_t dp = 0; dp < D / 2; ++dp) Kp[dp * kChunk + j] = row[dp];
           }
           for (int64_t dp = 0; dp < D / 2; ++dp) std::fill(Kp + dp * kChunk + cn, Kp + dp * kChunk + cols, 0u);
+#if defined(__AVX512BF16__)
+          if (amx) {  // every row's scores at once; rows past R (to a whole tile) land in unused score rows
+            amx_scores(QP, Kp, S, (R + 15) / 16 * 16, cols, D, kChunk, kChunk);
+            const vf vs = vset1(scale);
+            for (int64_t r = 0; r < R; ++r) {
+              for (int64_t j = 0; j < cols; j += W) vstore(S + r * kChunk + j, vmul(vload(S + r * kChunk + j), vs));
+            }
+          }
+#endif
         } else {
           for (int64_t d = 0; d < D; ++d) {
             float* dst = Kt + d * kChunk;
@@ -439,7 +525,9 @@ struct Attention {
         }
         const int64_t n = n_vis[nr - 1];  // a later row sees at least as much
         if (n <= 0) continue;
-        if (pairs) {
+        if (amx) {
+          // scored above
+        } else if (pairs) {
           scores_pairs(qps, sc.kp.data(), n, ss);
         } else {
           scores_tiled(qs, Kt, n, ss);
@@ -990,6 +1078,17 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
   }
 }
 
+// Whether bf16 prefill scores may use AMX tiles; returns whether they now will (the CPU and OS allowing).
+bool set_amx(bool enable) {
+#if defined(__AVX512BF16__)
+  amx_wanted = enable;
+  return enable && amx_supported();
+#else
+  (void)enable;
+  return false;
+#endif
+}
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
                            const at::Tensor& context_lens, double scale) {
@@ -1439,5 +1538,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
            py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"), py::arg("num_tokens"),
            py::call_guard<py::gil_scoped_release>());
+  m.def("set_amx", &set_amx, "Allow AMX tiles for bf16 prefill scores (default) or not; returns whether used",
+        py::arg("enable"));
   m.attr("vector_width") = W;
 }
