@@ -301,6 +301,8 @@ class TurnRegistry:
             if deltas is not None and not at.abort_requested:
                 reason = "abort"
                 async for d in deltas:
+                    if at.fenced:
+                        break  # let go while a Redis command swallowed the cancel: not one event more
                     last = d
                     parts.append(d.text)
                     if d.finished:
@@ -310,7 +312,7 @@ class TurnRegistry:
                     # the end; readers then miss deltas but get the whole message in the done event.
                     n = len(d.token_ids)
                     self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
-                at.relayed = True
+                at.relayed = not at.fenced
                 if at.unwritten:
                     at.drained = asyncio.get_running_loop().create_future()
                     await at.drained
