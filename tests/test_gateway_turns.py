@@ -194,14 +194,14 @@ async def test_a_drained_registry_hands_its_running_turn_to_another_that_finishe
 
 async def test_nothing_is_handed_off_that_no_other_registry_could_take(redis_url: str, tmp_path: Path) -> None:  # noqa: F811
     tok = tiny_tokenizer(tmp_path)
-    for engine, names in ((FakeEngine(tok, step_s=0.01), ("gw-a", "gw-b")),  # its requests end with it
-                          (WorkerLikeEngine(tok, step_s=0.01), ("gw-a",))):  # no other gateway alive
+    for engine, names in ((FakeEngine(tok, 4096, step_s=0.01), ("gw-a", "gw-b")),  # its requests end with it
+                          (WorkerLikeEngine(tok, 4096, step_s=0.01), ("gw-a",))):  # no other gateway alive
         await engine.start()
         regs = await _registries(engine, redis_url, names)
         try:
             meta = await regs[0].store.create_session("owner", "tutor", "You are terse.")
             at = await regs[0].start(meta, SessionMessage(content="hi", max_tokens=2000, ignore_eos=True))
-            await _eventually(lambda: len(at.log) >= 5, 10)
+            await _eventually(lambda at=at: len(at.log) >= 5, 10)
             assert await regs[0].hand_off() == 0
             assert regs[0].active == {meta.id: at} and not at.fenced
             assert await regs[0].store.r.get(instance_key("gw-a")) == regs[0].store.nonce
