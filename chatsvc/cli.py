@@ -62,6 +62,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(Settings)
     for f in flag_fields():  # the settings that name a flag (Settings holds its default, type and help)
         kind = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        if kind is bool:  # --flag and --no-flag: bool("false") would be True
+            p.add_argument(f.metadata["flag"], dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=f.metadata["help"])
+            continue
         p.add_argument(f.metadata["flag"], dest=f.name, type=kind, default=f.default, help=f.metadata["help"])
     p.add_argument("--loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="the gateway's event loop (auto: uvloop where installed)")

@@ -4,8 +4,12 @@ The first SIGTERM sets the gateway draining: it keeps listening, answers every n
 503 and ``Retry-After`` (another instance, or this one's successor, takes it), reports ``draining`` on
 ``/health`` and 503 on ``/ready`` (so a load balancer stops sending it traffic), and lets the turns and
 requests in flight finish. Once none is left, or ``--drain-timeout`` has passed, uvicorn's own shutdown
-runs: the turns still running then are cut and stored once as ``interrupted`` (``TurnRegistry.shutdown``),
-and the process exits 0. A second SIGTERM, or SIGINT, skips the rest of the drain.
+runs and the process exits 0. At the timeout, behind engine workers (``--engine redis``, whose requests go
+on without this gateway) and with ``--drain-handoff`` (the default), the turns still running are handed to
+the other gateways first (``TurnRegistry.hand_off``: the take-over of a dead gateway's turns, started at
+once): their clients resume them there and each reply is stored once, whole. Otherwise (an engine in this
+process, no other gateway alive, or ``--no-drain-handoff``) they are cut and stored once as ``interrupted``
+(``TurnRegistry.shutdown``). A second SIGTERM, or SIGINT, skips the rest of the drain.
 """
 
 from __future__ import annotations
@@ -48,7 +52,10 @@ class DrainingServer(uvicorn.Server):
                 log.warning("drained: nothing in flight; shutting down")
                 self.should_exit = True
             elif time.monotonic() >= self.drain_deadline:
-                log.warning("drain timeout: %d turns still running are stored as interrupted",
-                            len(self.gateway.turns.active))
+                if self.gateway.settings.drain_handoff:
+                    await self.gateway.turns.hand_off()
+                if self.gateway.turns.active:
+                    log.warning("drain timeout: %d turns still running are stored as interrupted",
+                                len(self.gateway.turns.active))
                 self.should_exit = True
         return await super().on_tick(counter)

@@ -142,6 +142,12 @@ class Settings:
     drain_timeout_s: float = _flag(30.0, "--drain-timeout",
                                    "on SIGTERM, seconds in-flight turns may take to finish before the gateway exits "
                                    "(new ones get 503 meanwhile; 0: exit at once)")
+    # At the drain timeout, behind engine workers, the turns still running go to another gateway instead of
+    # being cut (chatsvc.drain); an engine in this process ignores it (its requests end with the gateway).
+    drain_handoff: bool = _flag(True, "--drain-handoff",
+                                "with --engine redis: at the drain timeout, hand the replies still running to "
+                                "another gateway (their clients resume them there) instead of storing them as "
+                                "interrupted")
     # The operator's server secret(s) (chatsvc.keyring): this file, one a line, the first current; without it
     # $CHATSVC_SECRET and $CHATSVC_SECRET_PREVIOUS; neither: a generated one kept in Redis.
     secret_file: Path | None = _flag(

@@ -82,6 +82,7 @@ READER_LEASE_S = 10.0  # a reader on another gateway counts this long after its 
 PEER_POLL_S = 0.5  # how often a turn without local readers looks for readers on other gateways
 CONTROL_BLOCK_S = 1.0
 CANCEL_WAIT_S = 30.0  # how long a cancel sent to another gateway waits for its turn to end
+HAND_OFF_S = 10.0  # a hand-off Redis does not let finish this soon gives up (TurnRegistry.hand_off)
 _STREAM_ID = re.compile(r"\d+-\d+")
 
 
@@ -129,6 +130,7 @@ class ActiveTurn:
     lease: Lease = field(default_factory=Lease)  # the owner's quota place, given back when the turn ends
     fenced: bool = False  # another gateway holds the session lock now: this one writes nothing more
     storing: bool = False  # relaying is over; the reply is being stored
+    relayed: bool = False  # every delta is in (its request ended): a drain's hand-off leaves it to be stored here
 
     def wake(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
@@ -299,6 +301,8 @@ class TurnRegistry:
             if deltas is not None and not at.abort_requested:
                 reason = "abort"
                 async for d in deltas:
+                    if at.fenced:
+                        break  # let go while a Redis command swallowed the cancel: not one event more
                     last = d
                     parts.append(d.text)
                     if d.finished:
@@ -308,6 +312,7 @@ class TurnRegistry:
                     # the end; readers then miss deltas but get the whole message in the done event.
                     n = len(d.token_ids)
                     self._emit(at, key, {"type": "delta", "text": d.text, "tokens": n}, delta_event(d.text, n))
+                at.relayed = not at.fenced
                 if at.unwritten:
                     at.drained = asyncio.get_running_loop().create_future()
                     await at.drained
@@ -325,17 +330,68 @@ class TurnRegistry:
 
     def _fence(self, at: ActiveTurn) -> None:
         """The turn's lock is another gateway's now (this one stalled past its TTL and the turn was taken
-        over, or recovered): stop relaying at once and write nothing more. Its request, which the other
-        gateway relays, is released rather than aborted."""
+        over, or recovered): stop relaying at once and write nothing more."""
         if at.fenced:
             return
-        at.fenced = True
         log.warning("turn %s lost its lock to another gateway: no longer relaying it", at.request_id)
+        self._let_go(at)
+
+    def _let_go(self, at: ActiveTurn) -> None:
+        """Stop relaying the turn and write nothing more; its request, which another gateway relays (or is
+        about to), is released rather than aborted."""
+        at.fenced = True
         if isinstance(self.engine, Adoptable):
             self.engine.release(at.request_id)
         at.abort_requested = True
         if at.running and not at.storing and at.task is not None:
             at.task.cancel()
+
+    async def hand_off(self) -> int:
+        """At the end of a drain: leave the turns still running to the other gateways instead of cutting them,
+        through the take-over of a dead gateway's turns. Only with an engine whose requests outlive this gateway,
+        and while another gateway lives to take them. Relaying stops, each turn's events so far are stored
+        (the gateway that takes it over counts the tokens already sent from them), and this instance then counts
+        as dead, so the others' next keep-alive beat takes the turns over rather than one a heartbeat's TTL
+        later. A local reader's place is held in Redis for a reader lease, so the taker's grace does not abort
+        the reply while its client moves over. A turn whose events did not all reach Redis (the taker could
+        not tell what was sent) is cut and stored here first, as :meth:`shutdown` would. Returns the turns
+        handed off."""
+        if not isinstance(self.engine, Adoptable) or not self.active:
+            return 0
+        handed: list[ActiveTurn] = []
+        try:
+            async with asyncio.timeout(HAND_OFF_S):
+                if not await self.store.peers_alive():
+                    log.warning("no other gateway is alive: the turns still running are not handed off")
+                    return 0
+                # Nothing of this instance beats any more, or it would look alive again once it stepped down.
+                await self._stop_background()
+                tasks = [at.task for at in self.active.values() if at.task is not None]
+                for at in list(self.active.values()):
+                    if at.storing or at.relayed:
+                        continue  # its request ended: stored here, its lock released
+                    if at.write_error is None:
+                        handed.append(at)
+                        self._let_go(at)
+                    else:
+                        at.interrupted = True
+                        self._abort(at)
+                if tasks:
+                    await asyncio.wait(tasks)  # not gather: a timeout here must not cancel a reply being stored
+                for at in handed:
+                    if at.unwritten:  # the taker must find every event this gateway relayed
+                        at.drained = asyncio.get_running_loop().create_future()
+                        await at.drained
+                    if at.readers > 0:
+                        await self.store.hold_reader(at.session_id, at.turn, f"{self.store.instance}|handoff",
+                                                     READER_LEASE_S)
+                await self.store.step_down()
+        except (RedisError, TimeoutError) as exc:
+            # What was let go is taken over once this instance's heartbeat lapses, as after a crash.
+            log.warning("could not finish handing the running turns off: %r", exc)
+            return 0
+        log.warning("handed %d running turns off to the other gateways", len(handed))
+        return len(handed)
 
     async def _store_reply(self, at: ActiveTurn, key: str, parts: list[str], reason: str, last: RequestDelta | None,
                            prompt_len: int) -> None:
@@ -578,15 +634,18 @@ class TurnRegistry:
             at.interrupted = True  # what a drain did not finish in time, or a shutdown without one
             self._abort(at)
         await asyncio.gather(*tasks, return_exceptions=True)
+        if await self._stop_background():
+            with contextlib.suppress(RedisError):
+                await self.store.retire()
+
+    async def _stop_background(self) -> bool:
+        """Stop the keep-alive and the control listener; whether they ran."""
         background = [t for t in (self._listener, self._keepalive) if t is not None]
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
-        self._listener = None
-        if self._keepalive is not None:
-            self._keepalive = None
-            with contextlib.suppress(RedisError):
-                await self.store.retire()
+        self._listener = self._keepalive = None
+        return bool(background)
 
     async def follow_json(self, session_id: str, turn: int,
                           after: str) -> AsyncIterator[tuple[str, dict[str, Any], str]]:

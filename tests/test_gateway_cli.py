@@ -187,8 +187,13 @@ def test_every_gateway_setting_with_a_flag_defaults_to_settings_and_reaches_them
     path = tmp_path / "secret"  # the one optional path (--secret-file): read as the settings are built
     path.write_text("s" * 32)
     for f in fields:
-        value = path if f.default is None else f.default * 2 + 1
-        got = settings_from_args(parser.parse_args([f.metadata["flag"], str(value)]))
+        if isinstance(f.default, bool):  # --flag / --no-flag
+            value = not f.default
+            argv = [f.metadata["flag"] if value else "--no-" + f.metadata["flag"].removeprefix("--")]
+        else:
+            value = path if f.default is None else f.default * 2 + 1
+            argv = [f.metadata["flag"], str(value)]
+        got = settings_from_args(parser.parse_args(argv))
         assert getattr(got, f.name) == value, f.name
         assert type(getattr(got, f.name)) is type(value), f.name
 

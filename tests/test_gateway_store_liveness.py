@@ -52,6 +52,33 @@ async def test_retire_drops_the_heartbeat_only_when_nothing_is_held(store: Store
     assert await store.r.get(key) == successor.nonce
 
 
+async def test_stepping_down_makes_the_locks_holder_dead_at_once_even_with_locks_held(
+        store: Store) -> None:  # noqa: F811
+    other = Store(store.r, instance="gw-stepping")
+    await other.heartbeat()
+    await other.r.sadd(other.locks_key(), "s")
+    await store.r.set(lock_key("s"), other.lock_token(1))
+    assert (await store.lock_view("s"))[1] is True
+    await other.step_down()  # long before its heartbeat's TTL, with the lock still its own
+    assert (await store.lock_view("s"))[1] is False
+    successor = Store(store.r, instance="gw-stepping")
+    await successor.heartbeat()
+    await other.step_down()  # a successor of the same name that beats meanwhile stays alive
+    assert await store.r.get("chatsvc:instance:gw-stepping") == successor.nonce
+
+
+async def test_peers_alive_counts_other_instances_with_a_live_heartbeat(store: Store) -> None:  # noqa: F811
+    await store.heartbeat()
+    assert await store.peers_alive() is False  # itself only
+    await store.r.sadd("chatsvc:instances", "gw-gone")  # named, its heartbeat long lapsed
+    assert await store.peers_alive() is False
+    peer = Store(store.r, instance="gw-peer")
+    await peer.heartbeat()
+    assert await store.peers_alive() is True
+    await peer.step_down()
+    assert await store.peers_alive() is False
+
+
 async def test_control_requests_reach_the_named_instance_in_order(store: Store) -> None:  # noqa: F811
     target = Store(store.r, instance="gw-target")
     await store.send_control("gw-target", {"op": "cancel", "session": "s1"})

@@ -18,6 +18,12 @@ LOCK_TTL_S = 30  # a lock its owner stopped refreshing frees itself this soon
 INSTANCE_TTL_S = 10  # an instance that stopped heartbeating counts as dead this soon
 CONTROL_TTL_S = INSTANCE_TTL_S * 6  # requests to a gateway that stopped reading them are dropped this soon
 
+# Compare-and-delete: a successor of the same name that beats meanwhile stays alive.
+_STEP_DOWN_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 class Liveness(RedisStore):
     @property
@@ -48,6 +54,19 @@ class Liveness(RedisStore):
             current, held = await pipe.execute()
         if current == self.nonce and held == 0:
             await self.r.delete(key)
+
+    async def step_down(self) -> None:
+        """Count as dead from now on, locks held or not: the other gateways' next sweep takes this instance's
+        turns over, instead of after its heartbeat's TTL. Only once nothing here heartbeats or writes any more."""
+        await self._script(_STEP_DOWN_LUA)(keys=[instance_key(self.instance)], args=[self.nonce])
+
+    async def peers_alive(self) -> bool:
+        """Another instance heartbeats: one that can take this one's turns over."""
+        names = [n for n in await self.r.smembers(INSTANCES) if n != self.instance]
+        async with self.r.pipeline(transaction=False) as pipe:  # not MGET: the keys lie in several cluster slots
+            for name in names:
+                pipe.exists(instance_key(name))
+            return any(await pipe.execute())
 
     async def lock_view(self, sid: str) -> tuple[str, bool, str | None]:
         """(the session's lock, '' for none; whether its holder is alive; the holder's instance name)."""
