@@ -216,6 +216,9 @@ class TurnRegistry:
                            code="message_too_large", param="content")
         if meta.id in self.active:
             raise APIError(409, "a reply is already being generated for this session", code="session_busy")
+        if meta.prompt_lost:
+            raise APIError(410, "this session's system prompt is no longer stored (evicted from Redis); its "
+                           "messages can still be read: start a new session to go on", code="system_prompt_lost")
         message = sampling.stored()
         tools = sampling.tool_dicts() if sampling.calls_tools() else None
         tok = self.engine.tokenizer

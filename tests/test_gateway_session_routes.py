@@ -9,8 +9,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from fake_engine import REPLY, FakeEngine, engine_fixture, fake_gateway, wait_for  # noqa: F401
 from gateway_fixtures import LiveServer, redis_proc  # noqa: F401
+
+from chatsvc.store.keys import prompt_key, session_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 GRACE_S = 1.5
@@ -198,3 +201,23 @@ def test_another_owners_messages_are_not_found(server: LiveServer, redis_proc) -
     other = fill(redis_proc.url, "", 2, owner="someone-else")
     r = httpx.get(f"{server.url}/v1/sessions/{other}/messages")
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_a_session_whose_prompt_was_evicted_still_reads_but_refuses_a_turn(server: LiveServer, sid: str,
+                                                                           redis_proc) -> None:  # noqa: F811
+    """Under a Redis memory policy the shared prompt copy may go: the session's messages still read, and a new
+    turn (which could not be built as the earlier ones were) is a clear 410, not a 500."""
+    assert [e["type"] for _, e in send(server, sid, {"content": "hi"})][-1] == "done"
+    r = redis.Redis.from_url(redis_proc.url, decode_responses=True)
+    assert r.delete(prompt_key(r.hget(session_key(sid), "prompt_sha"))) == 1
+    view = httpx.get(f"{server.url}/v1/sessions/{sid}")
+    assert view.status_code == 200 and view.json()["system_prompt_lost"] is True
+    assert [m["role"] for m in view.json()["messages"]] == ["user", "assistant"]
+    refused = httpx.post(f"{server.url}/v1/sessions/{sid}/messages", json={"content": "more"})
+    assert refused.status_code == 410 and refused.json()["error"]["code"] == "system_prompt_lost"
+    assert len(httpx.get(f"{server.url}/v1/sessions/{sid}").json()["messages"]) == 2  # nothing stored
+    assert "system_prompt_lost" not in httpx.get(f"{server.url}/v1/sessions/{fresh_session(server)}").json()
+
+
+def fresh_session(server: LiveServer) -> str:
+    return str(httpx.post(f"{server.url}/v1/sessions", json={}).json()["id"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ if stop > start then items = redis.call('LRANGE', KEYS[2], start, stop - 1) end
 return {trimmed, n, users, items}
 """
 
+log = logging.getLogger("chatsvc.store")
+
 
 def prompt_sha(system_prompt: str) -> str:
     return hashlib.sha256(system_prompt.encode()).hexdigest()
@@ -105,11 +108,15 @@ class SessionMeta:
     # sends its own. Kept as text: the store holds it, the gateway validates it (chatsvc.schemas).
     response_format: str = ""
     prompt_sha: str = ""  # "" for a session that holds its prompt inline
+    # Its shared prompt copy is gone (a Redis memory policy evicted it): the session and its messages still
+    # read, but no turn can be generated as the model saw the earlier ones (chatsvc.turns refuses with 410).
+    prompt_lost: bool = False
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "persona": self.persona, "title": self.title, "created": self.created,
                 "updated": self.updated, "turns": self.turns,
-                "response_format": json.loads(self.response_format) if self.response_format else None}
+                "response_format": json.loads(self.response_format) if self.response_format else None,
+                **({"system_prompt_lost": True} if self.prompt_lost else {})}
 
 
 def _meta(raw: dict[str, str], owner: str) -> SessionMeta | None:
@@ -173,7 +180,9 @@ class SessionStore(RedisStore):
             return meta
         prompt = await self.r.getex(prompt_key(meta.prompt_sha), ex=self.session_ttl_s + PROMPT_TTL_MARGIN_S)
         if prompt is None:
-            raise LookupError(f"system prompt {meta.prompt_sha} of session {meta.id} is missing")
+            log.warning("system prompt %s of session %s is no longer stored", meta.prompt_sha, meta.id)
+            meta.prompt_lost = True
+            return meta
         meta.system_prompt = prompt
         return meta
 
