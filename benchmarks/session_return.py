@@ -18,8 +18,8 @@ time is the other sessions' turns (and ``--think-s`` more of idle engine). The d
   same disk directory; after one request of nobody's (the process' first forward pass sets up its kernels,
   ``restart_kernel_warmup_s``), round 4 returns to every session, its first turn reported apart.
 
-The engine runs in this process (``LLMEngine``), float32 on the CPU as ``--dtype auto`` resolves it; TTFT is
-from ``add_request`` to the step that samples the first token. Ratios are of TTFT p50s at the longest
+The engine runs in this process (``LLMEngine``), in the dtype ``--dtype auto`` resolves to (bf16 where oneDNN
+runs it natively, float32 elsewhere); TTFT is from ``add_request`` to the step that samples the first token. Ratios are of TTFT p50s at the longest
 history: recompute / tiers, recompute / warm, restart / tiers (goal: <= ~1), and the flatness of the tiers'
 p50 over the lengths (longest / shortest).
 

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import machine  # noqa: E402
 
 
 @pytest.mark.slow
@@ -24,7 +27,8 @@ def test_quick_run_writes_a_record_whose_returns_come_from_the_tiers(tmp_path: P
     text = record.read_text()
     assert "machine: " in text and "command: " in text and "uptime (1, 5, 15-min load) before" in text
     last = json.loads(text.strip().splitlines()[-1])
-    assert last["quick"] and last["cores"] >= 1 and last["dtype"] == "float32"
+    # --dtype auto: bf16 where oneDNN runs it natively (AVX512-BF16, AMX), float32 elsewhere
+    assert last["quick"] and last["cores"] >= 1 and last["dtype"] == machine.resolve_dtype("auto")
     run = last["lengths"]["64"]
     # The pool forgot every session: each return recomputed all but the system prompt's block they share.
     assert run["off_cached_tokens"]["max"] <= 16

@@ -117,7 +117,9 @@ def test_health_answers_while_a_session_turn_fits_a_huge_history(server: LiveSer
     tokens = len(Tokenizer.from_gguf(default_model_path()).encode(text))
     history = [json.dumps({"role": role, "content": text, "created": 0.0, "tokens": tokens})
                for _ in range(300) for role in ("user", "assistant")]
-    sync_redis.Redis.from_url(redis_proc.url).rpush(session_key(sid) + ":messages", *history)
+    r = sync_redis.Redis.from_url(redis_proc.url)
+    r.rpush(session_key(sid) + ":messages", *history)
+    r.hset(session_key(sid), "user_messages", 300)  # the count the store keeps beside the list
 
     def heavy() -> httpx.Response:
         return httpx.post(f"{server.url}/v1/sessions/{sid}/messages", json={"content": text, "max_tokens": 8},
