@@ -29,12 +29,13 @@ from kernels.backend import no_layer_stack
 
 LOG2E = 1.4426950408889634
 
-# Launch shapes by head-dim bucket (64: D <= 64, 128: larger). Chosen from ptxas register counts for sm_90
-# (8 warps keep these tiles at 104-228 registers without spills); benchmarks/kernels_gpu.py sweeps them.
+# Launch shapes by head-dim bucket (64: D <= 64, 128: larger); benchmarks/kernels_gpu.py sweeps them. Decode's
+# come from ptxas register counts for sm_90 (8 warps keep its tiles at 104-228 registers without spills).
 DECODE_CONFIG: dict[int, tuple[int, int]] = {64: (64, 8), 128: (32, 8)}  # (BLOCK_N, num_warps)
+# Prefill's are the fastest of the sweep's five on an H200 at 8 x 2k tokens (benchmarks/results/kernels_gpu/).
 PREFILL_CONFIG: dict[int, tuple[int, int, int]] = {
-    64: (64, 32, 8),
-    128: (64, 32, 8),
+    64: (128, 64, 8),
+    128: (64, 32, 4),
 }  # (BLOCK_M, BLOCK_N, warps)
 
 
