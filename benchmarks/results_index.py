@@ -284,6 +284,14 @@ def _gemm_row_band(f: dict[str, Any]) -> list[tuple[str, str]]:
             ("packed linears, 32 rows / 33 rows", _x(f.get("band_over_33"), 3))]
 
 
+def _kernels_gpu(f: dict[str, Any]) -> list[tuple[str, str]]:
+    decode = f.get("decode", {}).get("b256_c8192_hq9_hkv3_d64_bfloat16", {})
+    prefill = f.get("prefill_b8_q2048", {})
+    return [("checks against the float32 reference pass", "yes" if f.get("checks_ok") else "no"),
+            ("decode, 256 sequences x 8k context: bandwidth / device copy", _n(decode.get("frac_of_copy"), 2)),
+            ("prefill 8 x 2k tokens, Triton / torch reference", _x(prefill.get("speedup_vs_torch"), 1))]
+
+
 def _kv(f: dict[str, Any]) -> list[tuple[str, str]]:
     return [("KV utilization, paged / max-length reservation",
              f"{_n(f.get('paged_utilization'), 3)} / {_n(f.get('max_len_utilization'), 3)}"),
@@ -344,6 +352,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         _tensor_parallel),
     "huge_pages": Benchmark(
         "Huge pages", "The decode step with torch's large allocations on 2 MiB vs 4 KiB pages.", _huge_pages),
+    "kernels_gpu": Benchmark(
+        "Triton kernels on a GPU", "The Triton paged-attention and cache kernels checked against the float32 "
+        "reference and timed against torch and a device-to-device copy.", _kernels_gpu),
     "gemm_row_band": Benchmark(
         "GEMM row band", "oneDNN's slow packed-GEMM row band and what padding out of it buys a decode step.",
         _gemm_row_band),
