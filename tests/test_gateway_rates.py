@@ -1,11 +1,12 @@
 """chatsvc/rates.py: prefill tokens a minute per key, on a real Redis and through two live gateways sharing
 it: one budget per key on every gateway, 429 with the seconds until the window has room, 413 for a prompt
-larger than the whole budget, and every kind of prefill (OpenAI request, session turn, persona write)
-charged before anything runs or is stored."""
+larger than the whole budget, and every kind of prefill (OpenAI request, session turn over HTTP or a
+WebSocket, persona write) charged before anything runs or is stored."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from fake_engine import fake_gateways
 from gateway_fixtures import LiveServer, redis_proc, redis_url  # noqa: F401
 from store_fixtures import store  # noqa: F401
+from websockets.sync.client import connect
 
 from chatsvc.auth import ANON
 from chatsvc.errors import APIError
@@ -21,8 +23,8 @@ from chatsvc.rates import Rates, seconds_until_room
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 
-KA, KB = "key-a", "key-b"
-A, B = ({"Authorization": f"Bearer {k}"} for k in (KA, KB))
+KA, KB, KC = "key-a", "key-b", "key-c"
+A, B, C = ({"Authorization": f"Bearer {k}"} for k in (KA, KB, KC))
 LIMIT = 300
 
 
@@ -53,7 +55,7 @@ async def test_tokens_are_charged_per_key_within_the_minute(store: Store) -> Non
     assert await store.r.keys("chatsvc:rate:*") and not [k for k in await store.r.keys("*") if ANON in k]
 
 
-SETTINGS = Settings(api_keys=(KA, KB), web_dir=Path("/nonexistent"), max_pinned_fraction=1.0,
+SETTINGS = Settings(api_keys=(KA, KB, KC), web_dir=Path("/nonexistent"), max_pinned_fraction=1.0,
                     max_prefill_tokens_per_minute=LIMIT)
 
 
@@ -98,3 +100,21 @@ def test_two_gateways_share_one_token_budget_per_key(gateways: list[LiveServer])
     r = _complete(g0, B, LIMIT + 1)
     assert r.status_code == 413 and r.json()["error"]["code"] == "prompt_too_large" and "retry-after" not in r.headers
     assert _complete(g0, B, 100).status_code == 200
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_a_websocket_turn_pays_from_the_same_budget(gateways: list[LiveServer]) -> None:
+    g0, g1 = gateways
+    assert _complete(g0, C, LIMIT - 10).status_code == 200  # key C's minute is nearly spent, on the other gateway
+    with connect(g1.ws_url + "/v1/ws", additional_headers=C) as ws:
+        ws.send(json.dumps({"type": "hello"}))
+        sid = json.loads(ws.recv(timeout=10))["id"]
+        submitted = len(g1.engine.submitted)  # type: ignore[attr-defined]
+        ws.send(json.dumps({"type": "message", "content": "Tell me a long story about the sea, please."}))
+        frame = json.loads(ws.recv(timeout=10))
+        assert frame["type"] == "error" and frame["code"] == "rate_limit_exceeded", frame
+        ws.send(json.dumps({"type": "hello", "session_id": sid}))  # the socket stays open and usable
+        view = json.loads(ws.recv(timeout=10))
+    assert view["messages"] == [] and view["busy"] is False  # refused before anything was stored
+    assert len(g1.engine.submitted) == submitted  # type: ignore[attr-defined]  # nor did the engine see it
