@@ -43,9 +43,12 @@ server reports. Ratios per length: ``recompute_over_ours_p50`` (ours_off / ours)
 ``ours_restart_first_over_ours_p50`` (goal: ~1); and the flatness of each server's returning p50 over the
 lengths (longest / shortest). Goals (issue #35) at 2048 tokens: recompute / ours >= 5, vLLM / ours >= 3.
 
-Default run, sized to ~20 min on an idle 2-core AMX machine (bf16): lengths 512, 1024, 2048, 4096 with
-96, 64, 64 and 32 sessions (4096 has fewer: one session's turn costs twice as much, and 32 x 4096 tokens
-already hold 2.8 pools), one returning round before each restart, 4 tokens a reply. The full run, recorded:
+Default run: lengths 512, 1024, 2048, 4096 with 128, 80, 64 and 24 sessions (1.4, 1.8, 2.8 and 2.1 pools of
+histories; 4096 has fewer, one of its turns costing about twice a 2048 one), one returning round before
+each restart, 4 tokens a reply. It prefills each length's histories about six times (ours_off twice, ours
+once, vLLM three times: build, return, after the restart) and starts five servers a length, which on an
+idle 2-core AMX machine (bf16) should come to about 20 minutes (an estimate from the per-token prefill
+cost, not a timed run); ``--lengths`` and ``--sessions`` trim it. The full run, recorded:
 
   python benchmarks/session_return_vs_vllm.py \\
       --output benchmarks/results/session_return_vs_vllm/$(python benchmarks/machine.py)/record.txt
@@ -55,7 +58,7 @@ measurement (the sessions fit the pool). An end-to-end check against both server
 ``--quick --with-vllm --lengths 1024 --sessions 48``.
 
 Usage: python benchmarks/session_return_vs_vllm.py [--lengths 512,1024,2048,4096]
-    [--sessions 512:96,1024:64,2048:64,4096:32 | N] [--returns 1] [--max-tokens 4] [--kv-gib 1]
+    [--sessions 512:128,1024:80,2048:64,4096:24 | N] [--returns 1] [--max-tokens 4] [--kv-gib 1]
     [--host-gib 6] [--disk-gib 32] [--dtype auto] [--skip-vllm] [--with-vllm] [--quick] [--disk-dir DIR]
     [--log-dir DIR] [--output FILE]
 Last line: one JSON object {"lengths": {L: {"sessions", "histories_over_pool", "ours_off": {"build",
@@ -97,7 +100,7 @@ REPLY = "Sure. Here is what I think about that."
 SIDES = ("ours_off", "ours", "vllm")
 GOAL_LENGTH = 2048
 GOALS = {"recompute_over_ours_p50": 5.0, "vllm_over_ours_p50": 3.0}
-DEFAULT_SESSIONS = "512:96,1024:64,2048:64,4096:32"
+DEFAULT_SESSIONS = "512:128,1024:80,2048:64,4096:24"
 # A request of nobody's after each start: the process' first forward pass sets up its kernels.
 WARMUP_IDS = list(range(1000, 1040))
 
