@@ -266,7 +266,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, timeout_s: float) -> Iterator[None]:
+def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, timeout_s: float,
+           stop_timeout_s: float = 30.0) -> Iterator[None]:
+    """``stop_timeout_s``: how long the server may take to shut down after SIGINT before it is killed."""
     log(f"starting: {' '.join(cmd)}  (log: {log_path})")
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
@@ -279,7 +281,7 @@ def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=stop_timeout_s)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
