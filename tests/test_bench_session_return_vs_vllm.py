@@ -180,3 +180,29 @@ def test_both_servers_get_the_same_chat_rendered_histories_of_the_asked_length()
     assert len({tuple(h) for h in histories}) == 3  # different conversations
     text = tok.decode(histories[0], skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\n" + sr.SYSTEM)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.long
+@pytest.mark.timeout(900)  # three server starts: ~1 min on an idle 2-core machine, several when it is shared
+def test_quick_run_serves_every_round_and_restores_after_a_restart(tmp_path: Path) -> None:
+    import subprocess
+
+    record = tmp_path / "record.txt"
+    # The servers' data dirs stay in the script's own temp dir: the embedded Redis' Unix socket path must be
+    # short, and pytest's tmp_path is not.
+    proc = subprocess.run([sys.executable, "benchmarks/session_return_vs_vllm.py", "--quick", "--output", str(record),
+                           "--log-dir", str(tmp_path / "logs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=880)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = record.read_text()
+    assert "machine: " in text and "command: " in text and "uptime (1, 5, 15-min load) before" in text
+    last = json.loads(text.strip().splitlines()[-1])
+    assert last["quick"] and last["cores"] >= 1 and last["pool_tokens"] > 0
+    run = last["lengths"]["256"]
+    assert "vllm" not in run  # --quick runs vLLM only when asked
+    assert run["ours_off"]["return"]["n"] == run["ours"]["return"]["n"] == 4
+    # The restarted server's pool starts empty: its prompts' history came back from the disk tier.
+    assert run["ours"]["restart_cached_tokens"]["p50"] >= 256
+    assert run["ratios"]["recompute_over_ours_p50"] is not None
