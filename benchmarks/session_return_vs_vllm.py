@@ -384,10 +384,11 @@ def starters(a: argparse.Namespace, dtype: str, dtype_flags: list[str], max_mode
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", default="512,1024,2048,4096", help="history lengths in tokens, comma-separated")
-    ap.add_argument("--sessions", default=DEFAULT_SESSIONS, help="sessions per length: N, or L:N,L:N")
+    ap.add_argument("--lengths", default=None, help="history lengths in tokens, comma-separated (default "
+                    "512,1024,2048,4096)")
+    ap.add_argument("--sessions", default=None, help=f"sessions per length: N, or L:N,L:N (default {DEFAULT_SESSIONS})")
     ap.add_argument("--returns", type=int, default=1, help="returning rounds before the restart")
-    ap.add_argument("--max-tokens", type=int, default=4, help="tokens of each reply")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens of each reply (default 4)")
     ap.add_argument("--kv-gib", type=int, default=1, help="both servers' device KV pool, GiB (vLLM's unit)")
     ap.add_argument("--host-gib", type=float, default=6.0, help="our host tier, GiB")
     ap.add_argument("--disk-gib", type=float, default=32.0, help="our disk tier, GiB")
@@ -398,16 +399,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="4 sessions of 256 tokens, 2-token replies, no vLLM unless --with-vllm: the plumbing")
     ap.add_argument("--disk-dir", type=Path, default=None, help="where our servers' data and disk tier go "
-                    "(default: a temp dir)")
+                    "(default: the system temp dir; a short path: the embedded Redis' Unix socket lives under it)")
     ap.add_argument("--log-dir", type=Path, default=None, help="the servers' logs (default: a new temp dir, kept)")
     ap.add_argument("--output", type=Path, default=None, help="also write the report to this file, replacing it "
                     "(a record: benchmarks/results/session_return_vs_vllm/$(python benchmarks/machine.py)/record.txt)")
     a = ap.parse_args()
-    if a.quick:
-        explicit = set(sys.argv[1:])
-        a.lengths = a.lengths if "--lengths" in explicit else "256"
-        a.sessions = a.sessions if "--sessions" in explicit else "4"
-        a.max_tokens = a.max_tokens if "--max-tokens" in explicit else 2
+    # --quick changes only the sizes not given.
+    a.lengths = a.lengths or ("256" if a.quick else "512,1024,2048,4096")
+    a.sessions = a.sessions or ("4" if a.quick else DEFAULT_SESSIONS)
+    a.max_tokens = a.max_tokens or (2 if a.quick else 4)
     with_vllm = not a.skip_vllm and (a.with_vllm or not a.quick)
     lengths = [int(x) for x in a.lengths.split(",")]
     plan = session_plan(a.sessions, lengths)
