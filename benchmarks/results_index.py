@@ -231,6 +231,25 @@ def _session_return(f: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def _session_return_vs_vllm(f: dict[str, Any]) -> list[tuple[str, str]]:
+    def p50(side: Any, key: str = "return") -> Any:
+        return ((side or {}).get(key) or {}).get("p50")
+
+    rows = []
+    for length, r in sorted(f.get("lengths", {}).items(), key=lambda kv: -int(kv[0])):  # the longest first
+        ours, vllm, q = r.get("ours"), r.get("vllm"), r.get("ratios", {})
+        rows.append((f"served returning-turn TTFT p50 at {length} tokens of history: vLLM / chatsvc, recompute / "
+                     "chatsvc; after a restart, vLLM / chatsvc",
+                     f"{_x(q.get('vllm_over_ours_p50'))}, {_x(q.get('recompute_over_ours_p50'))}; "
+                     f"{_x(q.get('vllm_restart_over_ours_restart_p50'))}"))
+        rows.append((f"TTFT p50 at {length} tokens (s): chatsvc tiers / tiers off / vLLM; after a restart chatsvc / "
+                     "vLLM, first turn chatsvc / vLLM",
+                     f"{_n(p50(ours), 2)} / {_n(p50(r.get('ours_off')), 2)} / {_n(p50(vllm), 2)}; "
+                     f"{_n(p50(ours, 'restart_return'), 2)} / {_n(p50(vllm, 'restart_return'), 2)}, "
+                     f"{_n((ours or {}).get('restart_first_s'), 2)} / {_n((vllm or {}).get('restart_first_s'), 2)}"))
+    return rows
+
+
 def _quantization(f: dict[str, Any]) -> list[tuple[str, str]]:
     acc = f.get("accuracy", {})
     # The int8 variant `--quantization int8` runs here (the kernel `auto` picks) first: it is the headline.
@@ -344,6 +363,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         "Returning conversations", "Sessions whose history the pool no longer holds come back: the first "
         "token of their next turn with the KV tiers off (recompute) and on, after a warm, and after a restart.",
         _session_return),
+    "session_return_vs_vllm": Benchmark(
+        "Returning conversations: chatsvc vs vLLM", "The same returning sessions served over HTTP by `chatsvc "
+        "serve` with its KV tiers on and off and by vLLM with prefix caching, same 1 GiB device KV pool, one "
+        "request in flight; then after a restart of each server.", _session_return_vs_vllm),
     "quantization_accuracy": Benchmark(
         "int8 quantization", "What `--quantization int8` costs in accuracy (vs float32 logits) and buys in "
         "projection speed.", _quantization),

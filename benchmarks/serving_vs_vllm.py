@@ -266,7 +266,9 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> Non
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, timeout_s: float) -> Iterator[None]:
+def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, timeout_s: float,
+           stop_timeout_s: float = 30.0) -> Iterator[None]:
+    """``stop_timeout_s``: how long the server may take to shut down after SIGINT before it is killed."""
     log(f"starting: {' '.join(cmd)}  (log: {log_path})")
     with open(log_path, "wb") as logf:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT,
@@ -279,7 +281,7 @@ def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT)
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=stop_timeout_s)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -289,10 +291,10 @@ def server(cmd: list[str], env: dict[str, str], ready_url: str, log_path: Path, 
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def vllm_command(py: Path, port: int, dtype: str) -> list[str]:
+def vllm_command(py: Path, port: int, dtype: str, max_model_len: int = MAX_MODEL_LEN) -> list[str]:
     return [str(py), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
             "--model", str(HF_DIR), "--served-model-name", SERVED_NAME, "--dtype", dtype,
-            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", str(max_model_len),
             "--enable-prompt-tokens-details"]
 
 
@@ -305,11 +307,15 @@ def vllm_env(kv_gib: int, preload: list[str]) -> dict[str, str]:
 
 
 def ours_command(port: int, dtype_flags: list[str], kv_gib: int, prefix_caching: bool = True,
-                 extra: tuple[str, ...] = ()) -> list[str]:
+                 extra: tuple[str, ...] = (), max_model_len: int = MAX_MODEL_LEN,
+                 data_dir: Path | None = None) -> list[str]:
+    """``data_dir``: the embedded Redis' (and a disk tier's default) directory; a new temp dir when None, a
+    given one to restart a server on what the last one left."""
+    data = data_dir if data_dir is not None else tempfile.mkdtemp(prefix="chatsvc-bench-redis-")
     return [str(PROJECT_PY), "-m", "chatsvc.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--model", str(HF_DIR), *dtype_flags, "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mb", str(kv_gib * 1024),
-            "--data-dir", tempfile.mkdtemp(prefix="chatsvc-bench-redis-"), "--log-level", "warning",
+            "--max-model-len", str(max_model_len), "--kv-cache-mb", str(kv_gib * 1024),
+            "--data-dir", str(data), "--log-level", "warning",
             *([] if prefix_caching else ["--no-prefix-caching"]), *extra]
 
 

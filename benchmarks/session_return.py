@@ -53,6 +53,7 @@ import machine  # noqa: E402
 from engine.engine import LLMEngine  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
 
 PROMPTS = ROOT / "chatsvc" / "data" / "sharegpt_prompts_1000.json"
 SYSTEM = "You are a helpful assistant. Answer carefully and completely."
@@ -68,11 +69,10 @@ class Session:
     ttfts: list[float] = field(default_factory=list)
 
 
-def conversations(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
+def conversations(tok: Tokenizer, count: int, length: int) -> list[list[int]]:
     """``count`` histories of ``length`` tokens: ShareGPT conversations rendered with the chat template,
     followed by more of them until long enough, cut, and closed with a user message asking for a reply."""
     data = json.loads(PROMPTS.read_text())
-    tok = engine.tokenizer
     out = []
     cursor = 0
     for i in range(count):
@@ -93,9 +93,9 @@ def conversations(engine: LLMEngine, count: int, length: int) -> list[list[int]]
     return out
 
 
-def follow_up(engine: LLMEngine, turn: int) -> list[int]:
+def follow_up(tok: Tokenizer, turn: int) -> list[int]:
     text = FOLLOW_UPS[turn % len(FOLLOW_UPS)]
-    return list(engine.tokenizer.encode(f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"))
+    return list(tok.encode(f"<|im_end|>\n<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"))
 
 
 def run_turn(engine: LLMEngine, session: Session, rid: str, params: SamplingParams) -> tuple[float, int]:
@@ -140,7 +140,7 @@ def round_of(engine: LLMEngine, sessions: list[Session], turn: int, params: Samp
             engine.warm_prefix(s.sid, s.token_ids)
         idle(engine, think_s)
         if turn > 0:
-            s.token_ids = s.token_ids + follow_up(engine, turn + len(s.sid))
+            s.token_ids = s.token_ids + follow_up(engine.tokenizer, turn + len(s.sid))
         ttft, hit = run_turn(engine, s, f"{s.sid}-t{turn}", params)
         ttfts.append(ttft)
         cached.append(hit)
@@ -170,7 +170,7 @@ def measure_length(length: int, a: argparse.Namespace, disk_root: Path) -> dict[
 
     off = engine()
     block_bytes = off.block_bytes
-    histories = conversations(off, a.sessions, length)
+    histories = conversations(off.tokenizer, a.sessions, length)
     result: dict[str, Any] = {"pool_blocks": pool_blocks, "host_blocks": host_blocks,
                               "blocks_per_session": blocks_per_session}
 

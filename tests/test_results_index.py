@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -149,3 +150,23 @@ def test_check_mode_reports_stale_pages(tmp_path: Path, monkeypatch: pytest.Monk
     assert ri.main() == 1 and page.read_text() == "old\n"
     monkeypatch.setattr("sys.argv", ["results_index.py"])
     assert ri.main() == 0 and page.read_text() == "new\n"
+
+
+def test_the_served_session_return_record_reads_ratios_and_seconds_longest_first() -> None:
+    def side(ret: float, restart: float | None = None, first: float | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"return": {"p50": ret}}
+        if restart is not None:
+            out.update(restart_return={"p50": restart}, restart_first_s=first)
+        return out
+
+    final = {"lengths": {
+        "512": {"ours_off": side(1.0), "ours": side(0.2, 0.2, 0.3), "ratios": {"recompute_over_ours_p50": 5.0}},
+        "2048": {"ours_off": side(4.0), "ours": side(0.5, 0.6, 0.7), "vllm": side(2.0, 3.0, 3.5),
+                 "ratios": {"vllm_over_ours_p50": 4.0, "recompute_over_ours_p50": 8.0,
+                            "vllm_restart_over_ours_restart_p50": 5.0}}}}
+    rows = ri.BENCHMARKS["session_return_vs_vllm"].figures(final)
+    assert rows[0] == ("served returning-turn TTFT p50 at 2048 tokens of history: vLLM / chatsvc, recompute / "
+                       "chatsvc; after a restart, vLLM / chatsvc", "4.00×, 8.00×; 5.00×")
+    assert rows[1][1] == "0.50 / 4.00 / 2.00; 0.60 / 3.00, 0.70 / 3.50"
+    assert rows[2][1] == "n/a, 5.00×; n/a"  # a run without vLLM says so
+    assert rows[3][1] == "0.20 / 1.00 / n/a; 0.20 / n/a, 0.30 / n/a"
