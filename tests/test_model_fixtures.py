@@ -28,7 +28,8 @@ def _config(model: Any) -> dict[str, Any]:
 
 def test_the_copy_is_read_in_place_of_the_source_with_the_same_model(tmp_path: Path) -> None:
     model_dir = make_tiny_model_dir(tmp_path)
-    source, root, calls = model_dir / "model.safetensors", tmp_path / "copies", []
+    source, root = model_dir / "model.safetensors", tmp_path / "copies"
+    calls: list[int] = []
     first = reference_copy(source, _loader(model_dir, calls), root)
     again = reference_copy(source, _loader(model_dir, calls), root)
     assert calls == [1]  # the second came from the copy
@@ -44,7 +45,8 @@ def test_the_copy_is_read_in_place_of_the_source_with_the_same_model(tmp_path: P
 
 def test_a_changed_source_is_loaded_and_copied_again(tmp_path: Path) -> None:
     model_dir = make_tiny_model_dir(tmp_path)
-    source, root, calls = model_dir / "model.safetensors", tmp_path / "copies", []
+    source, root = model_dir / "model.safetensors", tmp_path / "copies"
+    calls: list[int] = []
     reference_copy(source, _loader(model_dir, calls), root)
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
@@ -56,7 +58,8 @@ def test_a_changed_source_is_loaded_and_copied_again(tmp_path: Path) -> None:
 
 def test_a_copy_that_cannot_be_saved_leaves_the_loaded_model_and_nothing_else(tmp_path: Path) -> None:
     model_dir = make_tiny_model_dir(tmp_path)
-    source, calls = model_dir / "model.safetensors", []
+    source = model_dir / "model.safetensors"
+    calls: list[int] = []
     root = tmp_path / "copies"
     root.write_text("not a directory")  # where the copy would go cannot hold one
     model = reference_copy(source, _loader(model_dir, calls), root)
