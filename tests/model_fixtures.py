@@ -81,9 +81,16 @@ def hf_greedy(hf_reference: Any) -> Callable[[list[int], int], list[int]]:
     def greedy(ids: list[int], max_new_tokens: int) -> list[int]:
         key = (tuple(ids), max_new_tokens)
         if key not in done:
-            with torch.inference_mode():
-                gen = hf_reference.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                            attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            # On one thread: on a machine shared with other work, torch's OpenMP threads wait on each other at
+            # every small matmul, and two of them generate several times slower than one.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with torch.inference_mode():
+                    gen = hf_reference.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            finally:
+                torch.set_num_threads(threads)
             done[key] = gen[0, len(ids):].tolist()
         return list(done[key])
 
