@@ -116,14 +116,29 @@ def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-@pytest.mark.parametrize(("shape", "prompt"), PROMPTS, ids=["capital-fr", "capital-jp", "review"])
-def test_sdk_parse_returns_the_pydantic_object(client: openai.OpenAI, model: str, shape: type[BaseModel],
-                                               prompt: str) -> None:
+SAMPLINGS: list[dict[str, Any]] = [{"temperature": 0}, {"temperature": 0.8, "seed": 3}]
+
+
+@pytest.fixture(scope="module")
+def parsed(client: openai.OpenAI, model: str) -> list[list[Any]]:
+    """Each of PROMPTS' ``parse()`` choices, greedy and sampled, all asked at once so that the engine batches
+    them."""
+    def ask(job: tuple[tuple[type[BaseModel], str], dict[str, Any]]) -> Any:
+        (shape, prompt), sampling = job
+        return client.chat.completions.parse(model=model, messages=[{"role": "user", "content": prompt}],
+                                             response_format=shape, max_tokens=120, **sampling).choices[0]
+
+    jobs = [(ask_for, sampling) for ask_for in PROMPTS for sampling in SAMPLINGS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        choices = list(pool.map(ask, jobs))
+    return [choices[i : i + len(SAMPLINGS)] for i in range(0, len(choices), len(SAMPLINGS))]
+
+
+@pytest.mark.parametrize(("index", "shape"), list(enumerate(shape for shape, _ in PROMPTS)),
+                         ids=["capital-fr", "capital-jp", "review"])
+def test_sdk_parse_returns_the_pydantic_object(parsed: list[list[Any]], index: int, shape: type[BaseModel]) -> None:
     """``parse()`` sends the model's strict JSON schema; the reply validates against it, greedy and sampled."""
-    for extra in ({"temperature": 0}, {"temperature": 0.8, "seed": 3}):
-        done = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": prompt}],
-                                             response_format=shape, max_tokens=120, **extra)  # type: ignore[arg-type]
-        choice = done.choices[0]
+    for choice in parsed[index]:
         assert choice.finish_reason == "stop", choice
         assert isinstance(choice.message.parsed, shape), choice.message.content
 

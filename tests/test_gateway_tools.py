@@ -7,6 +7,8 @@ WebSocket frames, and bad input refused with a 400 before anything is stored or 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -168,35 +170,52 @@ def _valid(call: Any) -> None:
     ARGUMENTS[call.function.name].model_validate_json(call.function.arguments)
 
 
+def _at_once(*calls: Callable[[], Any]) -> list[Any]:
+    """The calls' results, the requests sent together so that the engine batches them: a batch of replies
+    costs little more than one, where one after another costs each in full."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+@pytest.fixture(scope="module")
+def required_replies(client: openai.OpenAI, model: str) -> dict[str, list[Any]]:
+    """Each prompt's four ``required`` replies (one call greedy, one call sampled, parallel calls sampled, a
+    named function), all sixteen asked at once."""
+    def ask(prompt: str, **extra: Any) -> Callable[[], Any]:
+        return lambda: client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                      tools=TOOLS, **extra)  # type: ignore[arg-type]
+
+    asks = [ask(prompt, **extra) for prompt in PROMPTS for extra in (
+        {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 150, "temperature": 0},
+        {"tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 150, "temperature": 0.9, "seed": 11},
+        {"tool_choice": "required", "max_tokens": 120, "temperature": 0.9, "seed": 4},
+        {"tool_choice": {"type": "function", "function": {"name": "search_web"}}, "parallel_tool_calls": False,
+         "max_tokens": 150, "temperature": 0.9, "seed": 5})]
+    replies = _at_once(*asks)
+    return {prompt: replies[4 * i : 4 * i + 4] for i, prompt in enumerate(PROMPTS)}
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_required_tool_calls_validate(client: openai.OpenAI, model: str, prompt: str) -> None:
+def test_required_tool_calls_validate(required_replies: dict[str, list[Any]], prompt: str) -> None:
     """``required``: every reply is calls whose arguments validate against their tool's schema, greedy and
     sampled; one call without parallel calls; with them, as many as the model writes (a small model may
     repeat calls until max_tokens: then only the last, cut one, is incomplete); a named choice calls that
     function."""
-    messages: Any = [{"role": "user", "content": prompt}]
-    for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 11}):
-        done = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                              tool_choice="required", parallel_tool_calls=False, max_tokens=150,
-                                              **extra)
+    greedy, sampled, many, one = required_replies[prompt]
+    for done in (greedy, sampled):
         choice = done.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None and choice.message.tool_calls, choice
         assert len(choice.message.tool_calls) == 1
         _valid(choice.message.tool_calls[0])
-    many = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                          tool_choice="required", max_tokens=120, temperature=0.9, seed=4)
     choice = many.choices[0]
     assert choice.message.content is None and choice.message.tool_calls, choice
     whole = choice.message.tool_calls if choice.finish_reason == "tool_calls" else choice.message.tool_calls[:-1]
     assert choice.finish_reason in ("tool_calls", "length")
     for call in whole:
         _valid(call)
-    one = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                         tool_choice={"type": "function", "function": {"name": "search_web"}},
-                                         parallel_tool_calls=False, max_tokens=150, temperature=0.9, seed=5)
     calls = one.choices[0].message.tool_calls
     assert one.choices[0].finish_reason == "tool_calls" and calls and len(calls) == 1, one
     assert calls[0].function.name == "search_web"
@@ -239,29 +258,31 @@ def test_auto_and_none(client: openai.OpenAI, model: str) -> None:
     """``auto``: text without markup or calls that validate; ``none``: text, and the tools are not in the
     prompt; a tool result sent back is read and answered."""
     messages: Any = [{"role": "user", "content": PROMPTS[2]}]
-    for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 2}, {"temperature": 1.0, "seed": 3}):
-        done = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                              max_tokens=60, **extra)
+    call = {"id": "call_abc", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Tokyo", "unit": "celsius"}'}}
+
+    def ask(**kwargs: Any) -> Callable[[], Any]:
+        return lambda: client.chat.completions.create(model=model, **{"messages": messages, **kwargs})
+
+    *texts, auto, none, bare, after = _at_once(
+        *(ask(tools=TOOLS, max_tokens=60, **extra)
+          for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 2}, {"temperature": 1.0, "seed": 3})),
+        ask(tools=TOOLS, max_tokens=1, temperature=0),
+        ask(tools=TOOLS, tool_choice="none", max_tokens=1, temperature=0),
+        ask(max_tokens=1, temperature=0),
+        ask(tools=TOOLS, tool_choice="none", max_tokens=40, temperature=0, messages=[
+            *messages, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_abc", "content": '{"rain": true, "temperature": 18}'}]))
+    for done in texts:
         choice = done.choices[0]
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls" and choice.message.content is None
-            for call in choice.message.tool_calls:
-                _valid(call)
+            for tool_call in choice.message.tool_calls:
+                _valid(tool_call)
         else:
             assert "<tool_call>" not in (choice.message.content or "")
-    auto = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                          max_tokens=1, temperature=0)
-    none = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                          tool_choice="none", max_tokens=1, temperature=0)
-    bare = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0)
     assert auto.usage and none.usage and bare.usage
     assert none.usage.prompt_tokens == bare.usage.prompt_tokens < auto.usage.prompt_tokens
-    call = {"id": "call_abc", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Tokyo", "unit": "celsius"}'}}
-    after = client.chat.completions.create(
-        model=model, tools=TOOLS, tool_choice="none", max_tokens=40, temperature=0,  # type: ignore[arg-type]
-        messages=[*messages, {"role": "assistant", "content": None, "tool_calls": [call]},  # type: ignore[list-item]
-                  {"role": "tool", "tool_call_id": "call_abc", "content": '{"rain": true, "temperature": 18}'}])
     assert after.choices[0].message.content and after.choices[0].finish_reason in ("stop", "length")
 
 

@@ -75,7 +75,9 @@ def test_a_long_conversation_gets_the_reply_the_whole_history_would_give(redis_p
     torch.set_num_threads(1)
     monkeypatch.setattr(history, "FIRST_TAIL", 2)
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
-    max_len, reply_tokens = 512, 16
+    # A short context and short replies keep each turn cheap; the messages are sized to them so that, as with
+    # a longer context, two earlier turns fit beside the new message and the tail reads go past the first.
+    max_len, reply_tokens = 256, 8
     engine = AsyncEngine.from_args(model=default_model_path(), dtype="float32", num_kv_blocks=256, max_model_len=max_len)
     app = create_app(engine, Store.from_url(redis_proc.url), Settings(history_max_messages=6))
     with LiveServer(app) as live:
@@ -86,7 +88,7 @@ def test_a_long_conversation_gets_the_reply_the_whole_history_would_give(redis_p
         whole: list[dict[str, Any]] = []
         dropped_seen = 0
         for turn in range(1, 15):
-            content = f"Question {turn}: " + " ".join(["tell me about the sea and the ships on it"] * (10 + turn % 4))
+            content = f"Question {turn}: " + " ".join(["tell me about the sea and the ships on it"] * (2 + turn % 4))
             want, dropped = fit_conversation(engine.tokenizer, meta.system_prompt, whole, content, max_len, reply_tokens)
             with httpx.stream("POST", f"{live.url}/v1/sessions/{sid}/messages", timeout=120,
                               json={"content": content, "max_tokens": reply_tokens, "temperature": 0}) as r:

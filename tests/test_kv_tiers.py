@@ -5,11 +5,12 @@ pressure and aborts."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from model_fixtures import hf_greedy, hf_reference  # noqa: F401
 from tiny_model import make_tiny_model_dir
 
@@ -410,10 +411,20 @@ def test_a_warmed_session_restores_from_the_host_tier(tiny_dir: Path, tmp_path: 
 # ---- the real model --------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The real model's engines run on one thread (``engine_threads=1``), and so does the reference after them:
+    on a machine shared with other work, torch's OpenMP threads wait on each other at every small matmul and
+    these tests run several times slower on two threads than on one. The process's setting is restored."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.integration
 @pytest.mark.slow
-def test_real_model_restores_match_transformers(tmp_path: Path, hf_greedy: Callable[[list[int], int], list[int]]  # noqa: F811
-                                                ) -> None:
+def test_real_model_restores_match_transformers(tmp_path: Path, hf_greedy: Callable[[list[int], int], list[int]],  # noqa: F811
+                                                one_thread: None) -> None:
     """SmolLM2 in float32: a returning conversation restored from the host tier, from the disk tier, and
     after a restart gives transformers' greedy tokens (a recompute's)."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -421,7 +432,7 @@ def test_real_model_restores_match_transformers(tmp_path: Path, hf_greedy: Calla
     convs = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(5)]
 
     def engine(**kw: Any) -> LLMEngine:
-        return LLM(dtype="float32", num_kv_blocks=30, block_size=16, **kw).engine
+        return LLM(dtype="float32", num_kv_blocks=30, block_size=16, engine_threads=1, **kw).engine
 
     def turn(e: LLMEngine, ids: list[int], rid: str) -> tuple[list[int], int]:
         group = e.add_request(rid, params, prompt_token_ids=ids)
@@ -454,8 +465,8 @@ def test_real_model_restores_match_transformers(tmp_path: Path, hf_greedy: Calla
 @pytest.mark.integration
 @pytest.mark.slow
 def test_real_model_warmed_session_matches_transformers(tmp_path: Path,
-                                                        hf_greedy: Callable[[list[int], int], list[int]]  # noqa: F811
-                                                        ) -> None:
+                                                        hf_greedy: Callable[[list[int], int], list[int]],  # noqa: F811
+                                                        one_thread: None) -> None:
     """SmolLM2 in float32: a conversation pushed to the disk tier and warmed before its next message is
     restored from the host tier and gives transformers' greedy tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -463,7 +474,7 @@ def test_real_model_warmed_session_matches_transformers(tmp_path: Path,
     convs = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(5)]
     block_bytes = 737280  # SmolLM2-135M, float32
     engine = LLM(dtype="float32", num_kv_blocks=30, block_size=16, kv_host_bytes=24 * block_bytes,
-                 kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30).engine
+                 kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30, engine_threads=1).engine
 
     def turn(ids: list[int], rid: str) -> tuple[list[int], int]:
         group = engine.add_request(rid, params, prompt_token_ids=ids)
