@@ -14,6 +14,8 @@ command stays short, and .ci/run runs them after it.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 
 import background
 import pytest
@@ -24,6 +26,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_as_found() -> Iterator[None]:
+    """A module that sets torch's thread count for its own engines leaves it as it found it, so the modules
+    after it run as they do alone (torch is only looked at, never imported, here)."""
+    before = torch.get_num_threads() if (torch := sys.modules.get("torch")) is not None else None
+    yield
+    if before is not None and (torch := sys.modules.get("torch")) is not None:
+        torch.set_num_threads(before)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
