@@ -181,6 +181,12 @@ class Client:
             if r.status_code == 200 and not r.json()["busy"] or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1.0)
+        if r.status_code == 404:  # the session is gone, and every turn it had accepted with it
+            self.stats.count("verify_session_gone")
+            self.stats.lost += len(self.pending)
+            self.stats.checked += len(self.pending)
+            self.pending = []
+            return
         r.raise_for_status()
         msgs = r.json()["messages"]
         for c in self.pending:
@@ -284,7 +290,8 @@ class Client:
         last: str | None = None
         async with connect(f"{self.ws_base}/v1/ws", open_timeout=30, additional_headers=self.headers) as ws:
             await ws.send(json.dumps({"type": "hello", "session_id": sid}))
-            json.loads(await ws.recv())
+            if (hello := json.loads(await ws.recv()))["type"] == "error":
+                self.stats.count(f"ws_hello_{hello.get('code')}")
             started = time.monotonic()
             await ws.send(json.dumps({"type": "message", **msg}))
             frame = json.loads(await ws.recv())
@@ -312,7 +319,8 @@ class Client:
         await asyncio.sleep(self.rng.uniform(0.1, 1.0))
         async with connect(f"{self.ws_base}/v1/ws", open_timeout=30, additional_headers=self.headers) as ws:
             await ws.send(json.dumps({"type": "hello", "session_id": sid}))
-            json.loads(await ws.recv())
+            if (hello := json.loads(await ws.recv()))["type"] == "error":
+                self.stats.count(f"ws_resume_hello_{hello.get('code')}")
             await ws.send(json.dumps({"type": "resume", "after": last}))
             while (frame := json.loads(await ws.recv()))["type"] == "delta":
                 pass
@@ -352,8 +360,10 @@ class Client:
                     self.refused()
                     self.turns = 99  # verified and replaced on its next turn
                     await asyncio.sleep(0.5)
-            with contextlib.suppress(Exception):
+            try:
                 await self.verify(http)
+            except Exception as exc:  # noqa: BLE001 - its turns stay unchecked, which fails the check
+                self.stats.count(f"verify_error_{type(exc).__name__}")
 
 
 async def wait_ready(http: httpx.AsyncClient, base: str, timeout_s: float) -> None:
