@@ -115,6 +115,7 @@ class Stats:
     ttft_before: list[float] = field(default_factory=list)
     ttft_after: list[float] = field(default_factory=list)
     errors_5xx: list[tuple[float, str]] = field(default_factory=list)
+    lost_turns: list[str] = field(default_factory=list)  # what each lost turn's session held after it
     counts: dict[str, int] = field(default_factory=dict)
     # (started, first token) of every reply, and (started, ended, outcome) of every turn: the split soak
     # (soak_split.py) reads them against its own windows.
@@ -161,6 +162,7 @@ class Client:
         self.sid: str | None = None
         self.turns = 0
         self.pending: list[str] = []  # user messages of this session's accepted turns
+        self.accepted_at: dict[str, float] = {}
 
     def refused(self) -> None:
         """A request got 503 or no connection: where there are several gateways, the next goes elsewhere."""
@@ -169,6 +171,7 @@ class Client:
         self.turns += 1
         self.stats.accepted += 1
         self.pending.append(content)
+        self.accepted_at[content] = time.monotonic()
 
     async def verify(self, http: httpx.AsyncClient) -> None:
         """Every accepted turn of the session is in its history exactly once, answered."""
@@ -193,6 +196,9 @@ class Client:
             where = [i for i, m in enumerate(msgs) if m["role"] == "user" and m["content"] == c]
             if not where or where[0] + 1 >= len(msgs) or msgs[where[0] + 1]["role"] != "assistant":
                 self.stats.lost += 1
+                after = [(m["role"], m.get("finish_reason")) for m in msgs[where[0]:where[0] + 3]] if where else None
+                self.stats.lost_turns.append(f"session {self.sid}, accepted at "
+                                             f"{self.accepted_at.get(c, 0) - self.stats.t0:.1f}s: {after}")
             self.stats.duplicated += max(0, len(where) - 1)
         self.stats.checked += len(self.pending)
         self.pending = []
