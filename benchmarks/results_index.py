@@ -293,6 +293,14 @@ def _soak(f: dict[str, Any]) -> list[tuple[str, str]]:
             ("RSS growth", f"{f.get('rss_growth_pct')}%")]
 
 
+def _soak_split(f: dict[str, Any]) -> list[tuple[str, str]]:
+    return [("turns checked, lost, duplicated", f"{f.get('turns_checked')}, {f.get('lost')}, {f.get('duplicated')}"),
+            ("replies cut by the rolling restarts", str(f.get("replies_cut_by_rolling_restarts"))),
+            ("well-behaved TTFT p99 before / during the hostile burst",
+             f"{_n(f.get('ttft_p99_before_burst_s'), 3)} s / {_n(f.get('ttft_p99_during_burst_s'), 3)} s"),
+            ("all checks pass", "yes" if f.get("ok") else "no")]
+
+
 def _huge_pages(f: dict[str, Any]) -> list[tuple[str, str]]:
     return [(f"decode step on 4 KiB / 2 MiB pages, {rows} sequences", _x(v, 3))
             for rows, v in sorted(f.get("small_over_huge", {}).items(), key=lambda kv: int(kv[0]))]
@@ -343,6 +351,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "soak": Benchmark(
         "Soak", "30 minutes of mixed session traffic with a Redis restart and an engine kill half-way: nothing lost, "
         "nothing leaked.", _soak),
+    "soak_split": Benchmark(
+        "Split soak", "30 minutes of session traffic on two gateways and two workers through rolling restarts, "
+        "kill -9s, a Sentinel failover and a hostile key's burst: nothing lost, no reply cut.", _soak_split),
     "kv_utilization": Benchmark(
         "KV-cache utilization", "A simulated schedule of 1,000 requests: paged blocks vs one max-length "
         "reservation per sequence (no model; the figures do not depend on the machine).", _kv),

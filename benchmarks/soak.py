@@ -115,37 +115,63 @@ class Stats:
     ttft_before: list[float] = field(default_factory=list)
     ttft_after: list[float] = field(default_factory=list)
     errors_5xx: list[tuple[float, str]] = field(default_factory=list)
+    lost_turns: list[str] = field(default_factory=list)  # what each lost turn's session held after it
     counts: dict[str, int] = field(default_factory=dict)
+    # (started, first token) of every reply, and (started, ended, outcome) of every turn: the split soak
+    # (soak_split.py) reads them against its own windows.
+    ttfts: list[tuple[float, float]] = field(default_factory=list)
+    turns: list[tuple[float, float, str]] = field(default_factory=list)
 
     def count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
     def ttft(self, started: float, first: float) -> None:
+        self.ttfts.append((started, first - started))
         if started > self.fault_end:
             self.ttft_after.append(first - started)
         elif first < self.fault_start:
             self.ttft_before.append(first - started)
+
+    def ended(self, started: float, outcome: str) -> None:
+        """A turn's end as its client saw it: ``whole`` (its reply's terminal event, finished as the client asked),
+        or what cut it (``no_terminal``: the stream ended without one; ``finish_interrupted``; ``error_<code>``)."""
+        self.turns.append((started, time.monotonic(), outcome))
 
     def status(self, code: int, what: str) -> None:
         if code >= 500:
             self.errors_5xx.append((time.monotonic(), f"{what}: {code}"))
 
 
+def outcome(ev: dict[str, Any], cancelled: bool) -> str:
+    """A terminal event's outcome for ``Stats.ended``: ``whole`` if the reply ended as its client asked."""
+    if ev["type"] == "error":
+        return f"error_{ev.get('code')}"
+    reason = ev.get("finish_reason")
+    return "whole" if reason in ("stop", "length") or cancelled and reason == "abort" else f"finish_{reason}"
+
+
 class Client:
-    def __init__(self, base: str, stats: Stats, rng: random.Random, max_tokens: int) -> None:
+    def __init__(self, base: str, stats: Stats, rng: random.Random, max_tokens: int,
+                 headers: dict[str, str] | None = None) -> None:
         self.base = base
         self.ws_base = base.replace("http://", "ws://")
+        self.headers = headers or {}  # an API key's Authorization, on every request and WebSocket
         self.stats = stats
         self.rng = rng
         self.max_tokens = max_tokens
         self.sid: str | None = None
         self.turns = 0
         self.pending: list[str] = []  # user messages of this session's accepted turns
+        self.accepted_at: dict[str, float] = {}
+
+    def refused(self) -> None:
+        """A request got 503 or no connection: where there are several gateways, the next goes elsewhere."""
 
     def accept(self, content: str) -> None:
         self.turns += 1
         self.stats.accepted += 1
         self.pending.append(content)
+        self.accepted_at[content] = time.monotonic()
 
     async def verify(self, http: httpx.AsyncClient) -> None:
         """Every accepted turn of the session is in its history exactly once, answered."""
@@ -158,12 +184,21 @@ class Client:
             if r.status_code == 200 and not r.json()["busy"] or time.monotonic() > deadline:
                 break
             await asyncio.sleep(1.0)
+        if r.status_code == 404:  # the session is gone, and every turn it had accepted with it
+            self.stats.count("verify_session_gone")
+            self.stats.lost += len(self.pending)
+            self.stats.checked += len(self.pending)
+            self.pending = []
+            return
         r.raise_for_status()
         msgs = r.json()["messages"]
         for c in self.pending:
             where = [i for i, m in enumerate(msgs) if m["role"] == "user" and m["content"] == c]
             if not where or where[0] + 1 >= len(msgs) or msgs[where[0] + 1]["role"] != "assistant":
                 self.stats.lost += 1
+                after = [(m["role"], m.get("finish_reason")) for m in msgs[where[0]:where[0] + 3]] if where else None
+                self.stats.lost_turns.append(f"session {self.sid}, accepted at "
+                                             f"{self.accepted_at.get(c, 0) - self.stats.t0:.1f}s: {after}")
             self.stats.duplicated += max(0, len(where) - 1)
         self.stats.checked += len(self.pending)
         self.pending = []
@@ -188,36 +223,81 @@ class Client:
         sid = await self.session(http)
         msg = self.message()
         started = time.monotonic()
+        last = ""
         async with http.stream("POST", f"{self.base}/v1/sessions/{sid}/messages", json=msg) as r:
             self.stats.status(r.status_code, "sse")
             if r.status_code != 200:
                 await r.aread()
+                if r.status_code == 503:
+                    self.refused()
                 await asyncio.sleep(0.5)  # refused (busy, or a fault window): do not spin
                 return
             self.accept(msg["content"])
-            deltas = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                ev = json.loads(line[5:])
-                if ev["type"] == "delta":
-                    deltas += 1
-                    if deltas == 1:
-                        self.stats.ttft(started, time.monotonic())
-                    if cancel and deltas == 3:
-                        c = await http.post(f"{self.base}/v1/sessions/{sid}/cancel")
-                        self.stats.status(c.status_code, "cancel")
-                elif ev["type"] in ("done", "error"):
-                    self.stats.count(f"sse_{ev.get('finish_reason', ev.get('code'))}")
-                    break
+            try:
+                end, last = await self._read_sse(http, r, sid, started, cancel)
+            except httpx.HTTPError:
+                end = None  # the connection broke (its gateway killed): resumed below
+        if end is None:  # no terminal event: the gateway stopped; its turn goes on elsewhere (hand-off, take-over)
+            self.stats.count("sse_no_terminal")
+            self.refused()
+            end = await self._resume_sse(http, sid, last)
+        self.stats.ended(started, end or "no_terminal")
+
+    async def _read_sse(self, http: httpx.AsyncClient, r: httpx.Response, sid: str, started: float | None,
+                        cancel: bool) -> tuple[str | None, str]:
+        """Read one reply's events: (its outcome, or None without a terminal event; the last event id)."""
+        deltas, last = 0, ""
+        async for line in r.aiter_lines():
+            if line.startswith("id:"):
+                last = line[3:].strip()
+            if not line.startswith("data:"):
+                continue
+            ev = json.loads(line[5:])
+            if ev["type"] == "delta":
+                deltas += 1
+                if deltas == 1 and started is not None:
+                    self.stats.ttft(started, time.monotonic())
+                if cancel and deltas == 3:
+                    c = await http.post(f"{self.base}/v1/sessions/{sid}/cancel")
+                    self.stats.status(c.status_code, "cancel")
+            elif ev["type"] in ("done", "error"):
+                self.stats.count(f"sse_{ev.get('finish_reason', ev.get('code'))}")
+                return outcome(ev, cancel), last
+        return None, last
+
+    async def _resume_sse(self, http: httpx.AsyncClient, sid: str, last: str) -> str | None:
+        """Resume a reply whose stream ended early, as a client does: from its last event id, on whichever
+        gateway answers, for up to a minute."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            try:
+                async with http.stream("GET", f"{self.base}/v1/sessions/{sid}/stream",
+                                       headers={"Last-Event-ID": last} if last else {}) as r:
+                    self.stats.status(r.status_code, "sse_resume")
+                    if r.status_code == 200:
+                        end, more = await self._read_sse(http, r, sid, None, False)
+                        last = more or last
+                        if end is not None:
+                            self.stats.count("sse_resumed")
+                            return end
+                    else:
+                        await r.aread()
+                        if r.status_code in (404, 409):  # no reply to resume: it ended and was stored
+                            return f"resume_{r.status_code}"
+            except httpx.HTTPError:
+                pass
+            self.refused()
+        return None
 
     async def ws_turn(self, http: httpx.AsyncClient, drop: bool) -> None:
         sid = await self.session(http)
         msg = self.message()
         last: str | None = None
-        async with connect(f"{self.ws_base}/v1/ws", open_timeout=30) as ws:
+        async with connect(f"{self.ws_base}/v1/ws", open_timeout=30, additional_headers=self.headers) as ws:
             await ws.send(json.dumps({"type": "hello", "session_id": sid}))
-            json.loads(await ws.recv())
+            if (hello := json.loads(await ws.recv()))["type"] == "error":
+                self.stats.count(f"ws_hello_{hello.get('code')}")
             started = time.monotonic()
             await ws.send(json.dumps({"type": "message", **msg}))
             frame = json.loads(await ws.recv())
@@ -234,6 +314,7 @@ class Client:
                 frame = json.loads(await ws.recv())
             else:
                 self.stats.count(f"ws_{frame.get('finish_reason', frame.get('code'))}")
+                self.stats.ended(started, outcome(frame, False))
                 return
             if self.rng.random() < 0.5:
                 await ws.close(code=1001)  # a page reload
@@ -242,13 +323,15 @@ class Client:
                 self.stats.count("ws_cut")
         self.stats.count("ws_dropped")
         await asyncio.sleep(self.rng.uniform(0.1, 1.0))
-        async with connect(f"{self.ws_base}/v1/ws", open_timeout=30) as ws:
+        async with connect(f"{self.ws_base}/v1/ws", open_timeout=30, additional_headers=self.headers) as ws:
             await ws.send(json.dumps({"type": "hello", "session_id": sid}))
-            json.loads(await ws.recv())
+            if (hello := json.loads(await ws.recv()))["type"] == "error":
+                self.stats.count(f"ws_resume_hello_{hello.get('code')}")
             await ws.send(json.dumps({"type": "resume", "after": last}))
             while (frame := json.loads(await ws.recv()))["type"] == "delta":
                 pass
             self.stats.count(f"ws_resumed_{frame.get('finish_reason', frame.get('code'))}")
+            self.stats.ended(started, outcome(frame, False))
 
     async def bad_request(self, http: httpx.AsyncClient) -> None:
         sid = await self.session(http)
@@ -264,7 +347,7 @@ class Client:
         self.stats.count(f"bad_{r.status_code}")
 
     async def run(self, until: float) -> None:
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=120, headers=self.headers) as http:
             while time.monotonic() < until:
                 pick = self.rng.random()
                 try:
@@ -280,10 +363,13 @@ class Client:
                         await self.bad_request(http)
                 except Exception as exc:  # noqa: BLE001 - a fault window: counted, the client goes on
                     self.stats.count(f"client_error_{type(exc).__name__}")
+                    self.refused()
                     self.turns = 99  # verified and replaced on its next turn
                     await asyncio.sleep(0.5)
-            with contextlib.suppress(Exception):
+            try:
                 await self.verify(http)
+            except Exception as exc:  # noqa: BLE001 - its turns stay unchecked, which fails the check
+                self.stats.count(f"verify_error_{type(exc).__name__}")
 
 
 async def wait_ready(http: httpx.AsyncClient, base: str, timeout_s: float) -> None:
