@@ -34,6 +34,7 @@ from redis.exceptions import (
     OutOfMemoryError,
     ReadOnlyError,
     RedisError,
+    ResponseError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -44,6 +45,9 @@ log = logging.getLogger("chatsvc.redis")
 # replica or a Sentinel failover in progress (READONLY, MASTERDOWN), a restart still loading its data
 # (LOADING). Any command, idempotent or not, may be sent again after one of these.
 REFUSED_ERRORS: tuple[type[Exception], ...] = (OutOfMemoryError, ReadOnlyError, MasterDownError, BusyLoadingError)
+# The same for the refusals redis-py has no class for (a plain ResponseError): a master with
+# min-replicas-to-write and too few replicas (the moment of a Sentinel failover) answers NOREPLICAS.
+REFUSED_CODES = ("NOREPLICAS",)
 # Each command rides out a short refusal by itself (about a second): a failover's switch, a moment over
 # maxmemory. A longer one is the caller's (a finished reply waits in memory: chatsvc.turns).
 COMMAND_RETRIES = 4
@@ -53,6 +57,13 @@ MASTER_CHECK_S = 0.5
 # What a server answers to credentials it does not accept (or to none where it wants some).
 CREDENTIAL_ERRORS: tuple[type[Exception], ...] = (AuthenticationError, AuthenticationWrongNumberOfArgsError,
                                                   NoPermissionError)
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a command without applying it, so that it may be sent again."""
+    if isinstance(exc, REFUSED_ERRORS):
+        return True
+    return isinstance(exc, ResponseError) and str(exc).startswith(REFUSED_CODES)
 
 
 def command_retry() -> Retry:

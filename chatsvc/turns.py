@@ -61,7 +61,7 @@ from chatsvc.rates import Rates
 from chatsvc.schemas import SessionMessage, resolve_max_tokens, session_not_found, usage
 from chatsvc.settings import Settings
 from chatsvc.store import EventWriter, SessionGone, SessionMeta, Store
-from chatsvc.store.base import RETRIED_ERRORS
+from chatsvc.store.base import retried
 from chatsvc.store.keys import lock_key, stream_key
 from chatsvc.store.streams import Fenced, settle
 from chatsvc.tools import parse_reply, unknown_tool_results
@@ -467,15 +467,15 @@ class TurnRegistry:
         at.grace = asyncio.create_task(self._grace(at))  # no reader here yet: readers elsewhere may count
 
     async def _retrying(self, at: ActiveTurn, deadline: float, op: Callable[[], Awaitable[T]]) -> T:
-        """``op()``, retried with backoff while Redis is unreachable or refuses writes (``RETRIED_ERRORS``: out
-        of memory, read-only during a failover, loading), until ``deadline`` (then it raises). Only idempotent
-        writes are retried: one that timed out may still have been applied."""
+        """``op()``, retried with backoff while Redis is unreachable or refuses writes (``retried``: out of
+        memory, read-only or too few replicas during a failover, loading), until ``deadline`` (then it raises).
+        Only idempotent writes are retried: one that timed out may still have been applied."""
         delay = 0.1
         while True:
             try:
                 return await op()
-            except RETRIED_ERRORS as exc:
-                if time.monotonic() + delay > deadline:
+            except RedisError as exc:
+                if not retried(exc) or time.monotonic() + delay > deadline:
                     raise
                 log.warning("Redis unreachable or refusing writes while storing %s (%r); retrying in %.1fs",
                             at.request_id, exc, delay)

@@ -1,6 +1,6 @@
 """Redis going away mid-reply, under a real ``chatsvc serve`` (tiny model): paused for writes longer than
-the client's socket timeout, killed then restarted, and refusing writes (out of memory) when the finished reply
-is stored. The reply is kept in memory and stored exactly once when Redis is back, no lock is left behind, and
+the client's socket timeout, killed then restarted, and refusing writes (out of memory, or short of replicas as
+an old master during a failover) when the finished reply is stored. The reply is kept in memory and stored exactly once when Redis is back, no lock is left behind, and
 the OpenAI routes (no Redis) keep serving."""
 
 from __future__ import annotations
@@ -105,13 +105,19 @@ def engine_idle(srv: Serve) -> bool:
     return "chatsvc_requests_running 0.0" in metrics.splitlines()
 
 
-def test_redis_out_of_memory_when_the_finished_reply_is_stored(stack: tuple[Serve, PersistentRedis]) -> None:
+@pytest.mark.parametrize("refusal", ["out of memory", "no replicas"])
+def test_redis_refusing_writes_when_the_finished_reply_is_stored(stack: tuple[Serve, PersistentRedis],
+                                                                 refusal: str) -> None:
     srv, red = stack
+    # OOM with every write over maxmemory; NOREPLICAS from a master with min-replicas-to-write and no replica.
+    # Reads go on in both.
+    setting, refusing, normal = (("maxmemory", 1, 0) if refusal == "out of memory"
+                                 else ("min-replicas-to-write", 1, 0))
 
-    def out_of_memory() -> None:
+    def refuse_writes() -> None:
         client = red.client()
         client.config_set("maxmemory-policy", "noeviction")
-        client.config_set("maxmemory", 1)  # every write is refused with OOM; reads go on
+        client.config_set(setting, refusing)
         try:
             deadline = time.monotonic() + 150
             while not engine_idle(srv):  # the reply ends while Redis refuses its final writes
@@ -119,6 +125,6 @@ def test_redis_out_of_memory_when_the_finished_reply_is_stored(stack: tuple[Serv
                 time.sleep(0.2)
             time.sleep(3.0)  # its store is tried, and refused, for a while
         finally:
-            client.config_set("maxmemory", 0)
+            client.config_set(setting, normal)
 
-    reply_through_outage(srv, red, out_of_memory)
+    reply_through_outage(srv, red, refuse_writes)

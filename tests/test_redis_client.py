@@ -239,6 +239,26 @@ async def test_sentinel_target_reaches_the_master_with_both_passwords(topology: 
 
 
 @pytest.mark.integration
+async def test_a_master_short_of_replicas_refuses_writes_as_a_refusal(tmp_path: Path) -> None:
+    # min-replicas-to-write with no replica: what an old master answers during a Sentinel failover.
+    server = Server(tmp_path, "alone", conf=f"requirepass {PASSWORD}\nsave \"\"\nmin-replicas-to-write 1\n")
+    client = connect(RedisTarget(url=f"redis://127.0.0.1:{server.port}/0", password=PASSWORD))
+    try:
+        with pytest.raises(redis.ResponseError) as short:
+            await client.set("k", "v")
+        assert str(short.value).startswith("NOREPLICAS") and redis_client.refused(short.value)
+        assert await client.get("k") is None  # refused, not applied: safe to send again
+        await client.config_set("min-replicas-to-write", 0)
+        assert await client.set("k", "v")
+        with pytest.raises(redis.ResponseError) as wrong:
+            await client.lpush("k", "x")  # an error of the command itself is no refusal
+        assert not redis_client.refused(wrong.value)
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+@pytest.mark.integration
 async def test_a_sentinel_that_is_down_is_skipped_at_once(topology: Topology) -> None:
     dead = ("127.0.0.1", free_port())  # nothing listens there: connections are refused
     target = RedisTarget(sentinels=(dead, ("127.0.0.1", topology.sentinel.port)), password=PASSWORD,

@@ -10,13 +10,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from chatsvc.redis_client import REFUSED_ERRORS, RedisTarget, connect
+from chatsvc.redis_client import RedisTarget, connect, refused
 from chatsvc.settings import SESSION_TTL_S, STREAM_TTL_S
 
-# What a write that must not be lost (a finished reply) is retried on until its deadline: the refusals Redis
-# answers without applying a command (chatsvc.redis_client), and a connection lost or timed out (then only
-# idempotent writes are retried: one may have been applied).
-RETRIED_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, *REFUSED_ERRORS)
+
+def retried(exc: BaseException) -> bool:
+    """Whether a write that must not be lost (a finished reply) is sent again after ``exc``, until its deadline:
+    on a refusal Redis answers without applying the command (chatsvc.redis_client.refused), and on a connection
+    lost or timed out (then only idempotent writes are retried: one may have been applied)."""
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError)) or refused(exc)
 
 
 class RedisStore:
