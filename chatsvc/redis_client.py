@@ -81,16 +81,23 @@ class RedisTarget:
     username: str | None = None
     password: str | None = field(default=None, repr=False)
     sentinel_password: str | None = field(default=None, repr=False)
+    # Through Sentinels only (a URL says it with rediss:// and ?ssl_ca_certs=): the Sentinels and the master they
+    # name are reached over TLS, their certificates checked against this CA file.
+    sentinel_tls_ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if (self.url is None) == (not self.sentinels):
             raise ValueError("a Redis target is a URL or a list of Sentinels, exactly one of them")
+        if self.url is not None and self.sentinel_tls_ca_file is not None:
+            raise ValueError("a Sentinel TLS CA file is for --redis-sentinel; with a URL, use rediss:// and "
+                             "?ssl_ca_certs=")
 
     def describe(self) -> str:
         """For logs and errors: never the password."""
         if self.sentinels:
             where = ",".join(f"{h}:{p}" for h, p in self.sentinels)
-            return f"master {self.master!r} of the Sentinels at {where}"
+            tls = " over TLS" if self.sentinel_tls_ca_file else ""
+            return f"master {self.master!r} of the Sentinels at {where}{tls}"
         parts = urlsplit(self.url or "")
         if parts.password is None:
             return self.url or ""
@@ -134,6 +141,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-sentinel-password-file", type=Path, default=env("REDIS_SENTINEL_PASSWORD_FILE"),
                    metavar="PATH", help="file holding the Sentinels' own password, where they require one "
                                         "(default: $REDIS_SENTINEL_PASSWORD_FILE)")
+    p.add_argument("--redis-sentinel-tls-ca-file", type=Path, default=env("REDIS_SENTINEL_TLS_CA_FILE"),
+                   metavar="PATH", help="reach the Sentinels and the master they name over TLS, checking their "
+                                        "certificates against this CA file (default: $REDIS_SENTINEL_TLS_CA_FILE; "
+                                        "with --redis-url, use rediss:// and ?ssl_ca_certs=)")
 
 
 def target_from_args(args: argparse.Namespace) -> RedisTarget | None:
@@ -150,13 +161,19 @@ def target_from_args(args: argparse.Namespace) -> RedisTarget | None:
             raise ValueError("the Redis password is both in the URL and in --redis-password-file: give it once")
         if url and args.redis_username and urlsplit(url).username:
             raise ValueError("the Redis user is both in the URL and in --redis-username: give it once")
+        tls_ca = args.redis_sentinel_tls_ca_file
         if not (url or sentinels):
             if password or sentinel_password or args.redis_username:
                 raise ValueError("Redis credentials were given without --redis-url or --redis-sentinel")
+            if tls_ca:
+                raise ValueError("a Sentinel TLS CA file was given without --redis-sentinel")
             return None
+        if tls_ca:
+            Path(tls_ca).read_bytes()  # unreadable: said now, not as a TLS error on every connection
         return RedisTarget(url=url, sentinels=parse_sentinels(sentinels) if sentinels else (),
                            master=args.redis_sentinel_master, username=args.redis_username or None,
-                           password=password, sentinel_password=sentinel_password)
+                           password=password, sentinel_password=sentinel_password,
+                           sentinel_tls_ca_file=str(tls_ca) if tls_ca else None)
     except (OSError, ValueError) as e:
         raise SystemExit(f"Redis options: {e}") from None
 
@@ -218,9 +235,12 @@ def connect(target: RedisTarget, socket_timeout: float | None = None) -> aioredi
         return aioredis.Redis.from_url(target.url, **options)
     # A Sentinel answers at once or is skipped for the next one (no retries: redis-py's default retries a refused
     # connection for seconds), and never waited on as long as a command.
+    tls: dict[str, Any] = ({"ssl": True, "ssl_ca_certs": target.sentinel_tls_ca_file}
+                           if target.sentinel_tls_ca_file else {})
+    options.update(tls)
     sentinel = Sentinel(list(target.sentinels), sentinel_kwargs={  # type: ignore[no-untyped-call]
         "socket_connect_timeout": 2, "socket_timeout": 2, "retry": Retry(NoBackoff(), 0),
-        "password": target.sentinel_password})
+        "password": target.sentinel_password, **tls})
     client: aioredis.Redis = sentinel.master_for(target.master, redis_class=_SentinelMaster,
                                                  connection_pool_class=_FollowingPool, **options)
     return client

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import ipaddress
 import os
@@ -46,7 +47,7 @@ def parse(command: str, *argv: str) -> argparse.Namespace:
 @pytest.fixture(autouse=True)
 def no_redis_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("REDIS_URL", "REDIS_SENTINEL", "REDIS_SENTINEL_MASTER", "REDIS_USERNAME", "REDIS_PASSWORD_FILE",
-                 "REDIS_SENTINEL_PASSWORD_FILE"):
+                 "REDIS_SENTINEL_PASSWORD_FILE", "REDIS_SENTINEL_TLS_CA_FILE"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -68,6 +69,11 @@ def test_sentinel_flags_make_a_sentinel_target(command: str, tmp_path: Path) -> 
                                                  password="s3cret", sentinel_password="other")
     default = target_from_args(parse(command, "--redis-sentinel", "a:26379"))
     assert default is not None and default.master == "mymaster" and default.password is None
+    assert default.sentinel_tls_ca_file is None
+    tls = target_from_args(parse(command, "--redis-sentinel", "a:26379", "--redis-sentinel-tls-ca-file",
+                                 str(tmp_path / "pw")))
+    assert tls is not None and tls.sentinel_tls_ca_file == str(tmp_path / "pw")
+    assert tls.describe() == "master 'mymaster' of the Sentinels at a:26379 over TLS"
 
 
 def test_flags_default_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -91,6 +97,9 @@ def test_no_redis_named_is_none_for_the_embedded_one() -> None:
     (["--redis-url", "redis://h/0", "--redis-password-file", "{missing}"], "No such file"),
     (["--redis-url", "redis://h/0", "--redis-password-file", "{empty}"], "is empty"),
     (["--redis-sentinel", "s"], "not a Sentinel address"),
+    (["--redis-sentinel-tls-ca-file", "{pw}"], "without --redis-sentinel"),
+    (["--redis-url", "rediss://h/0", "--redis-sentinel-tls-ca-file", "{pw}"], "use rediss:// and ?ssl_ca_certs="),
+    (["--redis-sentinel", "s:26379", "--redis-sentinel-tls-ca-file", "{missing}"], "No such file"),
 ])
 def test_bad_options_exit_with_one_line(argv: list[str], message: str, tmp_path: Path) -> None:
     (tmp_path / "pw").write_text("pw")
@@ -147,15 +156,28 @@ class Topology:
     """A master and its replica, both requiring PASSWORD, and a Sentinel (requiring SENTINEL_PASSWORD) watching
     them as ``mymaster``, with timeouts short enough for a test."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, tls: tuple[Path, Path, Path] | None = None) -> None:
+        """``tls`` (ca, cert, key): each node also listens on a TLS port (``tls_ports``), the replica replicates
+        and the Sentinel talks to both over TLS, so the addresses the Sentinel names are TLS ports; the plain
+        ports stay for the test's own looks."""
         auth = f"requirepass {PASSWORD}\nmasterauth {PASSWORD}\nsave \"\"\nappendonly no\n"
+        self.tls_ports = {name: free_port() for name in ("master", "replica", "sentinel")} if tls else {}
+
+        def tls_conf(name: str) -> str:
+            if tls is None:
+                return ""
+            return (f"tls-port {self.tls_ports[name]}\ntls-cert-file {tls[1]}\ntls-key-file {tls[2]}\n"
+                    f"tls-ca-cert-file {tls[0]}\ntls-auth-clients no\ntls-replication yes\n")
+
         self.servers: list[Server] = []
         try:
-            self.master = self._add(Server(workdir, "master", conf=auth))
-            self.replica = self._add(Server(workdir, "replica", conf=auth + f"replicaof 127.0.0.1 {self.master.port}\n"))
+            self.master = self._add(Server(workdir, "master", conf=auth + tls_conf("master")))
+            master_port = self.tls_ports.get("master", self.master.port)
+            self.replica = self._add(Server(workdir, "replica", conf=(
+                auth + tls_conf("replica") + f"replicaof 127.0.0.1 {master_port}\n")))
             self.sentinel = self._add(Server(workdir, "sentinel", sentinel=True, conf=(
-                f"requirepass {SENTINEL_PASSWORD}\n"
-                f"sentinel monitor mymaster 127.0.0.1 {self.master.port} 1\n"
+                f"requirepass {SENTINEL_PASSWORD}\n{tls_conf('sentinel')}"
+                f"sentinel monitor mymaster 127.0.0.1 {master_port} 1\n"
                 f"sentinel auth-pass mymaster {PASSWORD}\n"
                 "sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n")))
             self.wait(lambda: self._replica_seen(), "the Sentinel to see the synced replica")
@@ -393,6 +415,51 @@ async def test_rediss_url_with_a_password_file(tmp_path: Path) -> None:
             await untrusted.aclose()
     finally:
         server.stop()
+
+
+@needs_redis
+@pytest.mark.integration
+async def test_sentinels_over_tls_name_a_master_reached_over_tls_across_a_failover(tmp_path: Path) -> None:
+    ca, cert, key = make_tls_files(tmp_path)
+    (tmp_path / "redis").mkdir()
+    try:
+        topology = Topology(tmp_path / "redis", tls=(ca, cert, key))
+    except RuntimeError as e:
+        if "tls" in str(e).lower():
+            pytest.skip(f"this redis-server has no TLS: {e}")
+        raise
+    sentinel = ("127.0.0.1", topology.tls_ports["sentinel"])
+    target = RedisTarget(sentinels=(sentinel,), password=PASSWORD, sentinel_password=SENTINEL_PASSWORD,
+                         sentinel_tls_ca_file=str(ca))
+    try:
+        assert topology.master_port() == topology.tls_ports["master"]
+        await check_credentials(target)
+        client = connect(target)
+        try:
+            await client.set("before", "1")
+            assert topology.master.client().get("before") == "1"
+            topology.failover("failover")
+            assert topology.master_port() == topology.tls_ports["replica"]  # the promoted one's TLS port
+            await asyncio.sleep(redis_client.MASTER_CHECK_S)
+            await client.set("after", "1")
+            assert topology.replica.client().get("after") == "1"
+        finally:
+            await client.aclose()
+        untrusted = connect(dataclasses.replace(target, sentinel_tls_ca_file=None))
+        try:
+            with pytest.raises(redis.ConnectionError):
+                await untrusted.ping()  # plain text to a TLS port: no master is named
+        finally:
+            await untrusted.aclose()
+        other_ca = make_tls_files(tmp_path / "redis")[0]  # a CA that signed none of these certificates
+        stranger = connect(dataclasses.replace(target, sentinel_tls_ca_file=str(other_ca)))
+        try:
+            with pytest.raises(redis.ConnectionError):
+                await stranger.ping()
+        finally:
+            await stranger.aclose()
+    finally:
+        topology.stop()
 
 
 # -- a failover under a real gateway -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 from gateway_fixtures import default_model_path, free_port, redis_proc, redis_url  # noqa: F401
 from scaleout_workers import WorkerProc
 from serve_process import Serve, sse_json
+from timing import scaled
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -65,7 +66,7 @@ def test_a_session_through_a_gateway_without_a_model(stack: tuple[Serve, WorkerP
     assert not {lib for lib in mapped_libraries(gateway.proc.pid) if "torch" in lib}
     assert {lib for lib in mapped_libraries(worker.proc.pid) if "libtorch" in lib}
     assert worker.terminate() == 0  # SIGTERM: drains (nothing running) and leaves
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)  # the gateway notices the missing heartbeat
     while (ready := httpx.get(base + "/ready", timeout=10)).status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ready.status_code == 503 and ready.headers["Retry-After"]
