@@ -179,7 +179,7 @@ class TurnRegistry:
                 if at.stored is None and not await self.store.refresh_lock(at.session_id, at.turn):
                     if await self.store.lock_holder(at.session_id) is not None:
                         self._fence(at)  # another gateway took the turn over
-                    else:
+                    elif not at.storing:  # while storing, end_turn's own release of the lock fails the refresh
                         log.warning("turn %s lost its lock (recovered or deleted?)", at.request_id)
             for reader, (sid, turn) in list(self._holds.items()):
                 await self.store.hold_reader(sid, turn, reader, READER_LEASE_S)
