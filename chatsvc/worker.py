@@ -406,7 +406,8 @@ class Worker:
                 except Exception as exc:  # noqa: BLE001 - no entry stops the control loop
                     reason = str(exc) if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"
                     log.error("dropping control entry %s: %s", entry_id, reason)
-                    self._spawn(self._dead_letter(key, entry_id, fields, reason))
+                    # Awaited, not spawned: the dead-letter stream keeps the order the entries were read in.
+                    await self._dead_letter(key, entry_id, fields, reason)
                     call = call_target(fields)
                     if call is not None:
                         self._spawn(self._answer(call, {"error": f"ProtocolError: {reason}"[:1000]}))
