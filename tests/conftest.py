@@ -9,6 +9,11 @@ does not fail tests that are merely slow there.
 
 Tests marked ``long`` (multi-process chaos, soak) are skipped unless ``--run-long`` is given: README's test
 command stays short, and .ci/run runs them after it.
+
+The run can be spread over pytest-xdist worker processes, a test module at a time (``-n 2 --dist loadfile``):
+many tests wait on subprocesses, Redis and servers, and a second worker fills that idle time. Module-scoped
+fixtures (one model load, one server per module) stay shared within their module only with ``loadfile``. A
+worker gives torch its share of the cores, not all of them, so that the workers do not oversubscribe them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,19 @@ def _torch_threads_as_found() -> Iterator[None]:
     yield
     if before is not None and (torch := sys.modules.get("torch")) is not None:
         torch.set_num_threads(before)
+
+
+def _xdist_workers() -> int:
+    """How many xdist workers share the machine when this process is one of them, else 0."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) if "PYTEST_XDIST_WORKER" in os.environ else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if workers := _xdist_workers():
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // workers))
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -75,7 +93,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the long single-threaded jobs the collected tests will need (tests/background.py)."""
+    """Start the long single-threaded jobs the collected tests will need (tests/background.py). Not in an xdist
+    worker: every worker collects every test, so each would start them, and the test that needs a job starts
+    it itself while the other workers keep the cores busy."""
+    if _xdist_workers():
+        return
     wanted = {item.nodeid for item in session.items if item.get_closest_marker("skip") is None}
     if any(n.startswith("tests/test_code_quality.py::test_mypy") for n in wanted):
         background.start("mypy-strict", background.STRICT_MYPY)
