@@ -50,7 +50,7 @@ class TierCounters:
 @dataclass
 class _Read:
     token_ids: tuple[int, ...]
-    future: Future[bytes | None]
+    future: Future[bytearray | None]
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -58,7 +58,7 @@ class _Read:
 class CompletedRead:
     block_hash: bytes
     token_ids: tuple[int, ...]
-    payload: bytes | None  # None: the file was gone or bad, the block is recomputed
+    payload: bytearray | None  # None: the file was gone or bad, the block is recomputed
 
 
 class KVTiers:
@@ -252,7 +252,7 @@ class KVTiers:
     def reading(self) -> bool:
         return bool(self._reads)
 
-    def reads_in_flight(self) -> list[Future[bytes | None]]:
+    def reads_in_flight(self) -> list[Future[bytearray | None]]:
         return [read.future for read in self._reads.values()]
 
     def take_completed_reads(self) -> list[CompletedRead]:
