@@ -201,6 +201,11 @@ class DiskStore:
             self.index.move_to_end(block_hash)
         return self._reader.submit(self._read_file, block_hash, token_ids)
 
+    def touch(self, block_hash: bytes) -> None:
+        """A use of the block: the disk's most recently used."""
+        if block_hash in self.index:
+            self.index.move_to_end(block_hash)
+
     def forget(self, block_hash: bytes) -> None:
         """Drop a block the disk could not keep (a failed write, a bad file)."""
         self.index.pop(block_hash, None)

@@ -65,6 +65,7 @@ class TierIO:
         The threads stay: an engine whose loop ends may be driven again (and its tiers keep working)."""
         if self.disk is None:
             return
+        self.tiers.stop_preload()
         self.spill(self.tiers.host_only_blocks())
         if self.device_storage is not None:
             self.spill(self.tiers.device_only_blocks(), self.device_storage)
@@ -78,13 +79,14 @@ class TierIO:
         for read in self.tiers.take_completed_reads():
             if read.payload is None:
                 continue
-            placed = self.tiers.install(read.block_hash, read.token_ids)
+            placed = self.tiers.install(read.block_hash, read.token_ids, read.preload)
             if placed is None:
                 continue
             host_id, spills = placed
             self.spill(spills)
             target = self.host_bytes[:, :, host_id]
             np.copyto(target, np.frombuffer(read.payload, dtype=np.uint8).reshape(target.shape))
+        self.tiers.preload_more()
 
 
 def _bytes_view(storage: Tensor) -> np.ndarray | None:
