@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -300,9 +300,13 @@ class KVTiers:
             self._preload_done()
 
     def stop_preload(self) -> None:
-        """Queue no more preload reads and cancel those not started (shutting down)."""
+        """Queue no more preload reads, cancel those not started and drop the one running once it is done
+        (shutting down: its block stays on disk)."""
         self._preload.clear()
-        for block_hash in [h for h, read in self._reads.items() if read.preload and read.future.cancel()]:
+        preloads = [h for h, read in self._reads.items() if read.preload]
+        running = [self._reads[h].future for h in preloads if not self._reads[h].future.cancel()]
+        wait(running)
+        for block_hash in preloads:
             del self._reads[block_hash]
 
     @property
