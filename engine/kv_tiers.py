@@ -374,6 +374,8 @@ class KVTiers:
     def stats(self, base: EngineStats, block_bytes: int) -> EngineStats:
         """``base`` with the tiers' fields filled in, for blocks of ``block_bytes``."""
         c, disk = self.counters, self.disk
+        if disk is not None:
+            disk.take_failed()  # writes that failed since the last step are not on disk: not counted as there
         return dataclasses.replace(
             base, kv_host_blocks_total=self.host.num_blocks, kv_host_blocks_cached=self.host.num_cached_free,
             kv_host_bytes=self.host.num_blocks * block_bytes, kv_host_hit_blocks=c.host_hit_blocks,
