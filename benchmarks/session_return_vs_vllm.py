@@ -31,7 +31,7 @@ forward pass sets up its kernels), each on the same rounds: round 1 builds the h
   server is stopped (SIGINT: its graceful shutdown writes the cached blocks the disk lacks) and started on
   the same data dir and disk tier, and every session returns once more, the first turn after the restart
   reported apart. The restarted server refills its host tier from the disk tier in the background
-  (``--kv-host-preload``, on by default; most recently used first), so a return restores from memory once
+  (on unless ``--no-kv-host-preload``; most recently used first), so a return restores from memory once
   its blocks are preloaded, and from disk (its own reads first) before that.
 * ``vllm``: vLLM's OpenAI server on the same weights (the GGUF converted to an HF directory), same dtype,
   ``--enable-prefix-caching``, its CPU environment as ``benchmarks/serving_vs_vllm.py`` sets it (both cores,
