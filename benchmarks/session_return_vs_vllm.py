@@ -30,7 +30,9 @@ forward pass sets up its kernels), each on the same rounds: round 1 builds the h
   (``--kv-disk-bytes``, ``--disk-gib``) under a temp data dir (``--disk-dir`` to choose where). Then the
   server is stopped (SIGINT: its graceful shutdown writes the cached blocks the disk lacks) and started on
   the same data dir and disk tier, and every session returns once more, the first turn after the restart
-  reported apart.
+  reported apart. The restarted server refills its host tier from the disk tier in the background
+  (on unless ``--no-kv-host-preload``; most recently used first), so a return restores from memory once
+  its blocks are preloaded, and from disk (its own reads first) before that.
 * ``vllm``: vLLM's OpenAI server on the same weights (the GGUF converted to an HF directory), same dtype,
   ``--enable-prefix-caching``, its CPU environment as ``benchmarks/serving_vs_vllm.py`` sets it (both cores,
   TCMalloc and Intel OpenMP preloaded); the same rounds, then restarted (its cache starts empty) for the

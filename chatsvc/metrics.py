@@ -62,6 +62,8 @@ class EngineCollector(Collector):
                                      s.kv_disk_load_seconds),
             "kv_warm_loaded_blocks": ("Host-tier blocks a session warm copied into the pool", s.kv_warm_loaded_blocks),
             "kv_warm_read_blocks": ("Disk-tier blocks a session warm started reading", s.kv_warm_read_blocks),
+            "kv_host_preloaded_blocks": ("Disk-tier blocks the start-up preload put in the host tier",
+                                         s.kv_host_preloaded_blocks),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"chatsvc_{name}", doc, value=float(value))

@@ -140,7 +140,7 @@ _SUMMED = ("kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "cpu_blocks_
            "kv_host_blocks_total", "kv_host_blocks_cached", "kv_host_bytes", "kv_host_hit_blocks",
            "kv_host_offloaded_blocks", "kv_disk_blocks", "kv_disk_bytes", "kv_disk_hit_blocks",
            "kv_disk_spilled_blocks", "kv_disk_failed_loads", "kv_disk_dropped_files", "kv_disk_write_failures",
-           "kv_disk_load_seconds", "kv_warm_loaded_blocks", "kv_warm_read_blocks")
+           "kv_disk_load_seconds", "kv_warm_loaded_blocks", "kv_warm_read_blocks", "kv_host_preloaded_blocks")
 
 
 class WorkerLost(Exception):

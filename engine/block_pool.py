@@ -134,6 +134,16 @@ class BlockPool:
             del self._free_cached[block_id]
             self._free_uncached.append(block_id)
 
+    def make_coldest(self, block_id: int) -> None:
+        """Put a free cached block first in line for eviction (a block older than every other one)."""
+        if block_id in self._free_cached:
+            self._free_cached.move_to_end(block_id, last=False)
+
+    @property
+    def num_free_uncached(self) -> int:
+        """Free blocks that hold no cached block: allocating one evicts nothing."""
+        return len(self._free_uncached)
+
     def is_cached(self, block_id: int) -> bool:
         return self.blocks[block_id].block_hash is not None
 

@@ -86,6 +86,9 @@ class EngineConfig:
               "set); kept across restarts")
     kv_disk_bytes: int = _setting(
         0, "disk tier size in bytes (0: off); needs kv_host_bytes, through which its blocks are loaded")
+    kv_host_preload: bool = _setting(
+        True, "at start-up, refill the host tier from the disk tier in the background (most recently used "
+              "first, up to kv_host_bytes, never evicting): the first turns after a restart restore from memory")
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):  # a Path is as good as its string, and pickles the same

@@ -82,11 +82,14 @@ class EngineCore:
         fails every open request, publishes that, and propagates: the engine is down, not one batch."""
         try:
             while True:
-                commands = channel.receive(wait=not self.engine.has_unfinished())
+                busy = self.engine.has_unfinished() or self.engine.has_background_work()
+                commands = channel.receive(wait=not busy)
                 if commands is None or not self.apply_all(commands):
                     break
                 if self.engine.has_unfinished():
                     self.step()
+                elif busy:
+                    self.background_step()
                 self.publish(channel)
         except RankDiedError as exc:
             log.error("engine stopped: %s", exc)
@@ -139,6 +142,16 @@ class EngineCore:
             case WantSnapshot():
                 self.snapshot_until = time.monotonic() + SNAPSHOT_WINDOW_S
                 self.snapshot_now = True
+
+    def background_step(self) -> None:
+        """A step for background work only (the host tier's preload): nothing to publish but its end, so
+        an idle engine does not send its counters a thousand times a second while it preloads."""
+        try:
+            self.engine.step()
+        except Exception:  # noqa: BLE001 - background work must not take the engine down
+            log.exception("engine background step failed")
+        if not self.engine.has_background_work():
+            self.changed = True
 
     def step(self) -> None:
         self.changed = True  # the stats moved even when the step produced no delta (a prefill chunk)

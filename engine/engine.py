@@ -170,6 +170,8 @@ class LLMEngine:
             fmt = block_format(self.runner.host_cache, str(self.model_path), self.dtype)
             disk = DiskStore(config.kv_disk_dir, fmt, config.kv_disk_bytes)
         tiers = KVTiers(self.block_manager, self.cache_config.num_host_blocks, disk)
+        if config.kv_host_preload:
+            tiers.start_preload()
         return tiers, TierIO(self.runner.host_cache, tiers, disk, self.runner.kv_cache)
 
     def close(self) -> None:
@@ -254,6 +256,12 @@ class LLMEngine:
         """Requests to run, or disk reads (a warm's) to install: both need steps."""
         return self.scheduler.has_unfinished() or (self.tiers is not None and self.tiers.reading)
 
+    def has_background_work(self) -> bool:
+        """The start-up preload of the host tier (engine.kv_tiers) is not done: a server keeps stepping for
+        it while idle. Apart from ``has_unfinished``, so that a loop that runs its own requests to the end
+        (``LLM.generate``) does not wait for it; every step advances it all the same."""
+        return self.tiers is not None and self.tiers.preloading
+
     # -- the step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         if self.tier_io is not None:
@@ -263,7 +271,7 @@ class LLMEngine:
         for group in out.ignored:
             deltas.extend(self._finish_request(group))
         if out.is_empty:
-            if self.tiers is not None and self.tiers.reading:
+            if self.tiers is not None and (self.tiers.reading or self.tiers.preloading):
                 # Only disk reads are left to wait for: wait on them rather than spin through empty steps.
                 wait(self.tiers.reads_in_flight(), timeout=0.05, return_when=FIRST_COMPLETED)
             return deltas

@@ -15,6 +15,11 @@ lookup finds them, always as plans the engine executes on tensors (``engine.plan
 * A warm (a client opened a conversation; its next message is likely) does the same ahead of any request:
   disk blocks are read into the host tier, and host blocks go to device blocks nobody holds a hash in, so a
   warm evicts nothing from the pool and never holds a block a request could need.
+* At start-up (``start_preload``), the host tier is refilled from the disk tier in the background: the disk's
+  most recently used blocks first, into host blocks nobody has used yet (never evicting one), each placed
+  below everything already there (it is older than all of it). A few reads at a time (``PRELOAD_IN_FLIGHT``),
+  so a request's own reads queue behind at most those, and none while a request waits on the disk. A
+  restarted server's first turns then restore from memory, as before the restart.
 
 A block a plan reads or writes in the host tier is held (a reference) until the next plan is made, so no
 later decision in the same step reuses it before the engine has executed the copies.
@@ -23,8 +28,10 @@ later decision in the same step reuses it before the engine has executed the cop
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from concurrent.futures import Future
+from collections import deque
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -33,6 +40,12 @@ from engine.kv_disk import DiskStore
 from engine.plan import TierPlan
 from engine.protocol import EngineStats
 from engine.request import Sequence, SequenceGroup
+
+log = logging.getLogger("chatsvc.engine.kv_tiers")
+
+# Preload reads queued on the disk tier's reader at once: a request's reads wait behind at most these (a few
+# milliseconds), and the engine installs at most these between two steps.
+PRELOAD_IN_FLIGHT = 8
 
 
 @dataclass
@@ -45,20 +58,23 @@ class TierCounters:
     disk_load_seconds: float = 0.0  # read start to install, summed over disk_hit_blocks
     warm_loaded_blocks: int = 0  # host blocks a warm copied into the device pool
     warm_read_blocks: int = 0  # disk blocks a warm started reading into the host tier
+    host_preloaded_blocks: int = 0  # disk blocks the start-up preload installed in the host tier
 
 
 @dataclass
 class _Read:
     token_ids: tuple[int, ...]
-    future: Future[bytes | None]
+    future: Future[bytearray | None]
     started: float = field(default_factory=time.perf_counter)
+    preload: bool = False  # started by the preload and wanted by nobody else (yet)
 
 
 @dataclass(frozen=True)
 class CompletedRead:
     block_hash: bytes
     token_ids: tuple[int, ...]
-    payload: bytes | None  # None: the file was gone or bad, the block is recomputed
+    payload: bytearray | None  # None: the file was gone or bad, the block is recomputed
+    preload: bool = False  # read for the start-up preload only
 
 
 class KVTiers:
@@ -79,6 +95,8 @@ class KVTiers:
         self._waiting_on: dict[str, set[bytes]] = {}
         self._tried_disk: set[str] = set()
         self._warming: dict[str, set[bytes]] = {}  # warm key -> the disk reads it started
+        self._preload: deque[tuple[bytes, tuple[int, ...]]] = deque()  # disk blocks to preload, newest first
+        self._preload_started = 0.0
 
     # -- the plan ---------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -201,8 +219,7 @@ class KVTiers:
             if self.disk is None or len(reads) >= self.max_read_blocks or not self.disk.contains(block_hash, tokens):
                 break
             reads.add(block_hash)
-            if block_hash not in self._reads:
-                self._reads[block_hash] = _Read(tokens, self.disk.read(block_hash, tokens))
+            self._want_read(block_hash, tokens)
         for block_id in reversed(held):  # free again, cached: a request takes them as prefix hits
             device.decref(block_id)
         if reads:
@@ -238,11 +255,72 @@ class KVTiers:
                 if len(wanted) >= self.max_read_blocks or not self.disk.contains(block_hash, tokens):
                     break
                 wanted.add(block_hash)
-                if block_hash not in self._reads:
-                    self._reads[block_hash] = _Read(tokens, self.disk.read(block_hash, tokens))
+                self._want_read(block_hash, tokens)
         if wanted:
             self._waiting_on[group.request_id] = wanted
         return bool(wanted)
+
+    def _want_read(self, block_hash: bytes, tokens: tuple[int, ...]) -> None:
+        """Read a block for a request or warm: one the preload is reading already becomes theirs."""
+        assert self.disk is not None
+        read = self._reads.get(block_hash)
+        if read is None:
+            self._reads[block_hash] = _Read(tokens, self.disk.read(block_hash, tokens))
+        elif read.preload:
+            read.preload = False
+            self.disk.touch(block_hash)
+
+    # -- the start-up preload ---------------------------------------------------------------------
+    def start_preload(self) -> None:
+        """Queue the disk tier's most recently used blocks, as many as the host tier holds, to be read into
+        it in the background (``preload_more``, from every step)."""
+        if self.disk is None or self.host.num_blocks == 0:
+            return
+        newest = reversed(self.disk.index.items())
+        self._preload = deque(item for _, item in zip(range(self.host.num_blocks), newest, strict=False))
+        self._preload_started = time.perf_counter()
+
+    def preload_more(self) -> None:
+        """Start preload reads up to ``PRELOAD_IN_FLIGHT``: none while a request waits on the disk (its reads
+        go first), and no more once the host tier has no unused block left."""
+        if self.disk is None or not self._preload or self._request_waits_on_disk():
+            return
+        in_flight = sum(1 for read in self._reads.values() if read.preload)
+        while self._preload and in_flight < PRELOAD_IN_FLIGHT:
+            if self.host.num_free_uncached <= in_flight:  # the reads in flight take the rest
+                self._preload.clear()
+                break
+            block_hash, tokens = self._preload.popleft()
+            if (block_hash in self._reads or self.host.lookup(block_hash, tokens) is not None
+                    or not self.disk.contains(block_hash, tokens)):
+                continue
+            self._reads[block_hash] = _Read(tokens, self.disk.read(block_hash, tokens, touch=False), preload=True)
+            in_flight += 1
+        if not self.preloading:
+            self._preload_done()
+
+    def stop_preload(self) -> None:
+        """Queue no more preload reads, cancel those not started and drop the one running once it is done
+        (shutting down: its block stays on disk)."""
+        self._preload.clear()
+        preloads = [h for h, read in self._reads.items() if read.preload]
+        running = [self._reads[h].future for h in preloads if not self._reads[h].future.cancel()]
+        wait(running)
+        for block_hash in preloads:
+            del self._reads[block_hash]
+
+    @property
+    def preloading(self) -> bool:
+        return bool(self._preload) or any(read.preload for read in self._reads.values())
+
+    def _request_waits_on_disk(self) -> bool:
+        return any(h in self._reads for wanted in self._waiting_on.values() for h in wanted)
+
+    def _preload_done(self) -> None:
+        if self._preload_started:
+            log.info("preloaded %d KV blocks from the disk tier into the host tier in %.1f s",
+                     self.counters.host_preloaded_blocks, time.perf_counter() - self._preload_started)
+            self._preload_started = 0.0
 
     def loads_done(self, request_id: str) -> bool:
         """Whether every block the request waits for has been read and installed (or failed)."""
@@ -250,9 +328,10 @@ class KVTiers:
 
     @property
     def reading(self) -> bool:
-        return bool(self._reads)
+        """Reads a request or warm waits for (the preload's are background work: ``preloading``)."""
+        return any(not read.preload for read in self._reads.values())
 
-    def reads_in_flight(self) -> list[Future[bytes | None]]:
+    def reads_in_flight(self) -> list[Future[bytearray | None]]:
         return [read.future for read in self._reads.values()]
 
     def take_completed_reads(self) -> list[CompletedRead]:
@@ -267,26 +346,36 @@ class KVTiers:
                 assert self.disk is not None
                 self.disk.forget(block_hash)
                 self.counters.disk_failed_loads += 1
-            else:
+            elif not read.preload:
                 self.counters.disk_hit_blocks += 1
                 self.counters.disk_load_seconds += time.perf_counter() - read.started
-            completed.append(CompletedRead(block_hash, read.token_ids, payload))
+            completed.append(CompletedRead(block_hash, read.token_ids, payload, read.preload))
         return completed
 
-    def install(self, block_hash: bytes, token_ids: tuple[int, ...]
+    def install(self, block_hash: bytes, token_ids: tuple[int, ...], preload: bool = False
                 ) -> tuple[int, tuple[tuple[int, bytes, tuple[int, ...]], ...]] | None:
         """A host block for a block read from disk, cached and free (least evictable), and the host blocks
-        its allocation pushed out to spill first; None if the host tier has it already or has no room."""
+        its allocation pushed out to spill first; None if the host tier has it already or has no room.
+        A ``preload`` block only takes an unused host block, and is the first to be evicted (it is older than
+        everything the host tier held before it)."""
         if self.host.lookup(block_hash, token_ids) is not None or self.host.num_free == 0:
+            return None
+        if preload and self.host.num_free_uncached == 0:
+            self._preload.clear()
             return None
         block = self.host.allocate()
         self.host.cache(block.block_id, block_hash, token_ids)
         self.host.decref(block.block_id)
+        if preload:
+            self.host.make_coldest(block.block_id)
+            self.counters.host_preloaded_blocks += 1
         return block.block_id, self._take_spills()
 
     def stats(self, base: EngineStats, block_bytes: int) -> EngineStats:
         """``base`` with the tiers' fields filled in, for blocks of ``block_bytes``."""
         c, disk = self.counters, self.disk
+        if disk is not None:
+            disk.take_failed()  # writes that failed since the last step are not on disk: not counted as there
         return dataclasses.replace(
             base, kv_host_blocks_total=self.host.num_blocks, kv_host_blocks_cached=self.host.num_cached_free,
             kv_host_bytes=self.host.num_blocks * block_bytes, kv_host_hit_blocks=c.host_hit_blocks,
@@ -295,7 +384,8 @@ class KVTiers:
             kv_disk_hit_blocks=c.disk_hit_blocks, kv_disk_spilled_blocks=c.disk_spilled_blocks,
             kv_disk_failed_loads=c.disk_failed_loads, kv_disk_dropped_files=disk.dropped_files if disk else 0,
             kv_disk_write_failures=disk.write_failures if disk else 0, kv_disk_load_seconds=c.disk_load_seconds,
-            kv_warm_loaded_blocks=c.warm_loaded_blocks, kv_warm_read_blocks=c.warm_read_blocks)
+            kv_warm_loaded_blocks=c.warm_loaded_blocks, kv_warm_read_blocks=c.warm_read_blocks,
+            kv_host_preloaded_blocks=c.host_preloaded_blocks)
 
     def host_only_blocks(self) -> tuple[tuple[int, bytes, tuple[int, ...]], ...]:
         """Cached host blocks the disk tier lacks, oldest first (as ``spill`` entries)."""

@@ -412,6 +412,7 @@ class EngineStats(_Json):
     kv_disk_load_seconds: Number = 0.0
     kv_warm_loaded_blocks: Count = 0
     kv_warm_read_blocks: Count = 0
+    kv_host_preloaded_blocks: Count = 0
     # What the engine computes with (kernels.runtime.KernelRuntime: kernel set, ISA, dtype, threads)
     runtime: Runtime | None = None
     # The client's view

@@ -79,6 +79,31 @@ def test_corrupt_payload_is_dropped_on_read(tmp_path: Path) -> None:
     assert not _file(tmp_path, 1).exists() and store.dropped_files == 1
 
 
+def _legacy_file(tmp_path: Path, i: int, payload: bytes) -> None:
+    """A block file as earlier builds wrote it: the payload's digest a blake2b under ``blake2b``."""
+    import hashlib
+    import json
+
+    from engine.kv_disk import FORMAT_VERSION, MAGIC
+
+    block_hash, tokens = _block(i)
+    header = {**dataclasses.asdict(FMT), "version": FORMAT_VERSION, "hash": block_hash.hex(), "tokens": list(tokens),
+              "blake2b": hashlib.blake2b(_payload(i), digest_size=16).hexdigest()}
+    body = json.dumps(header).encode()
+    _file(tmp_path, i).write_bytes(MAGIC + len(body).to_bytes(4, "little") + body + payload)
+
+
+def test_files_of_earlier_builds_are_verified_by_their_blake2b(tmp_path: Path) -> None:
+    _legacy_file(tmp_path, 1, _payload(1))
+    bad = bytearray(_payload(2))
+    bad[3] ^= 0x10
+    _legacy_file(tmp_path, 2, bytes(bad))
+    store = _store(tmp_path)
+    assert store.num_blocks == 2
+    assert store.read(*_block(1)).result() == _payload(1)
+    assert store.read(*_block(2)).result() is None and not _file(tmp_path, 2).exists()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "not a block file", "foreign model", "other dtype",
                                     "other block size", "renamed"])
 def test_bad_files_are_dropped_at_start_up(tmp_path: Path, damage: str) -> None:

@@ -313,6 +313,8 @@ def test_disk_full_falls_back_to_recompute(tiny_dir: Path, tmp_path: Path, recom
     assert _first_turns(llm, convs) == recomputed[0]
     tokens, _ = _return(llm, convs, recomputed[0])
     assert tokens == recomputed[1]
+    assert llm.engine.tiers is not None and llm.engine.tiers.disk is not None
+    llm.engine.tiers.disk.flush()  # the last step's writes may still be failing on the writer thread
     stats = llm.stats()
     assert stats.kv_disk_write_failures > 0 and stats.kv_disk_blocks == 0
 
@@ -496,3 +498,82 @@ def test_real_model_warmed_session_matches_transformers(tmp_path: Path,
     # Read from disk by the warm only; the rest of the 12 came into the pool by the warm or the admission.
     assert stats.kv_disk_hit_blocks == read and stats.kv_host_hit_blocks >= read
     assert stats.kv_host_hit_blocks + stats.kv_warm_loaded_blocks >= 12
+
+
+# ---- the start-up preload ----------------------------------------------------------------------------
+
+
+def _preload(engine: LLMEngine) -> None:
+    while engine.has_background_work():
+        engine.step()
+
+
+def test_preload_fills_the_host_tier_newest_first_within_its_cap(tiny_dir: Path, tmp_path: Path) -> None:
+    _after_restart(tiny_dir, tmp_path)  # 102 blocks on disk; the host tier holds 40
+    llm = _disk_llm(tiny_dir, tmp_path)
+    engine = llm.engine
+    assert engine.tiers is not None and engine.tiers.disk is not None
+    newest = list(engine.tiers.disk.index)[-40:]
+    _preload(engine)
+    host = engine.tiers.host
+    assert llm.stats().kv_host_preloaded_blocks == 40 and host.num_free_uncached == 0
+    assert llm.stats().kv_disk_hit_blocks == 0  # background reads, not a request's hits
+    # The host tier's eviction order: the disk's least recent first, as if they had never left memory.
+    assert [host.blocks[i].block_hash for i in host.cached_block_ids()] == newest
+
+
+def test_preload_off_leaves_the_host_tier_empty(tiny_dir: Path, tmp_path: Path) -> None:
+    _after_restart(tiny_dir, tmp_path)
+    engine = _disk_llm(tiny_dir, tmp_path, kv_host_preload=False).engine
+    assert not engine.has_background_work()
+    assert engine.stats().kv_host_preloaded_blocks == 0
+
+
+def test_shutdown_during_the_preload_is_clean(tiny_dir: Path, tmp_path: Path) -> None:
+    _after_restart(tiny_dir, tmp_path)
+    files = len(list(tmp_path.glob(f"*{SUFFIX}")))
+    engine = _disk_llm(tiny_dir, tmp_path).engine
+    engine.step()  # the first preload reads are queued
+    assert engine.has_background_work()
+    engine.close()
+    assert not engine.has_background_work()
+    assert engine.tiers is not None and engine.tiers.disk is not None
+    engine.tiers.disk.close()  # the reader thread ends: no read was left hanging
+    assert len(list(tmp_path.glob(f"*{SUFFIX}"))) == files  # nothing dropped or rewritten
+    again = _disk_llm(tiny_dir, tmp_path).engine
+    assert again.stats().kv_disk_blocks == files
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_real_model_restore_from_a_preloaded_host_tier_matches_transformers(
+        tmp_path: Path, hf_greedy: Callable[[list[int], int], list[int]], one_thread: None) -> None:  # noqa: F811
+    """SmolLM2 in float32: after a restart, a conversation restored from the host tier the start-up preload
+    refilled (no read of its own from disk) gives transformers' greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(3)
+    convs = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(3)]
+    block_bytes = 737280  # SmolLM2-135M, float32
+
+    def engine() -> LLMEngine:
+        return LLM(dtype="float32", num_kv_blocks=30, block_size=16, kv_host_bytes=48 * block_bytes,
+                   kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30, engine_threads=1).engine
+
+    def turn(e: LLMEngine, ids: list[int], rid: str) -> tuple[list[int], int]:
+        group = e.add_request(rid, params, prompt_token_ids=ids)
+        while e.has_unfinished():
+            e.step()
+        e.block_manager.check_invariants()
+        return group.seqs[0].output_token_ids, group.num_cached_tokens
+
+    first = engine()
+    replies = [turn(first, c, f"first-{i}")[0] for i, c in enumerate(convs)]
+    first.close()
+    restarted = engine()
+    _preload(restarted)
+    assert restarted.stats().kv_host_preloaded_blocks >= 12
+    back = convs[0] + replies[0] + [504, 1234, 28]
+    tokens, cached = turn(restarted, back, "back")
+    assert cached == 192 and tokens == hf_greedy(back, 6)
+    stats = restarted.stats()
+    assert stats.kv_disk_hit_blocks == 0 and stats.kv_host_hit_blocks >= 12
