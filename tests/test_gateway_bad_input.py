@@ -273,8 +273,11 @@ def test_public_routes_need_no_key(server: LiveServer) -> None:
 # -- capacity and Redis outages -------------------------------------------------------------------------
 async def test_full_queue_is_429_with_retry_after(redis_proc, tmp_path: Path) -> None:  # noqa: F811
     engine = tiny_engine(tmp_path, max_num_seqs=1, max_waiting=1)
-    app = create_app(engine, Store.from_url(redis_proc.url), Settings())
+    app = create_app(engine, Store.from_url(redis_proc.url), Settings(max_pinned_fraction=1.0))
     with LiveServer(app) as live:
+        # The default personas' pins queue in the engine at start-up: on a loaded machine one would
+        # still hold the one waiting slot and every request below would be refused.
+        await asyncio.to_thread(wait_personas_pinned, app)
         async with httpx.AsyncClient(base_url=live.url, timeout=60) as http:
             body = chat(max_tokens=200, ignore_eos=True)
             rs = await asyncio.gather(*(http.post("/v1/chat/completions", json=body) for _ in range(12)))
