@@ -49,10 +49,9 @@ Default run: lengths 512, 1024, 2048, 4096 with 128, 80, 64 and 24 sessions (1.4
 histories; 4096 has fewer, one of its turns costing about twice a 2048 one), one returning round before
 each restart, 4 tokens a reply. It prefills each length's histories about six times (ours_off twice, ours
 once, vLLM three times: build, return, after the restart) and starts five servers a length. On an idle
-2-core AMX machine (bf16) a length took 9-12 minutes (512 x 128 sessions 12, 1024 x 60 and 2048 x 40 about
-9 each; vLLM's share is two thirds), so the default run takes about 50 minutes; ``--lengths`` and
-``--sessions`` trim it (the amx-bf16 record: ``--lengths 1024,2048 --sessions 1024:60,2048:40``, 19
-minutes). The full run, recorded:
+2-core AMX machine (bf16) the default run takes about 27 minutes (the amx-bf16
+record); ``--lengths`` and ``--sessions`` trim it (``--lengths 1024,2048 --sessions
+1024:60,2048:40``: 11 minutes). The full run, recorded:
 
   python benchmarks/session_return_vs_vllm.py \\
       --output benchmarks/results/session_return_vs_vllm/$(python benchmarks/machine.py)/record.txt
