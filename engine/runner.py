@@ -35,9 +35,15 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
 
 
-def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False) -> Tensor:
-    """Zeros of the kernels' KV shape ``[layers, 2, blocks, block_size, Hkv, D]``, stored head-major within each
+def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False,
+            zeroed: bool = True) -> Tensor:
+    """A pool of the kernels' KV shape ``[layers, 2, blocks, block_size, Hkv, D]``, stored head-major within each
     block (``[..., Hkv, block_size, D]`` in memory) and returned as that shape's view.
+
+    The pool the kernels read is zeroed: they mask the slots past a sequence's length, but a masked value still
+    meets its zero weight, and 0 x NaN is NaN. ``zeroed=False`` is for the swap space and the host tier, whose
+    blocks are read only after a whole block was written there: left untouched they cost neither the time to
+    clear them at every engine start (256 MiB of swap space by default) nor memory until they are used.
 
     A decode work item reads one KV head of one sequence. Token-major, that head's rows of a block are
     ``block_size`` runs of D values with the other heads' rows between them, which the hardware prefetchers
@@ -47,8 +53,8 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | s
     the other layout against this checkout's, step by step.
     """
     layers, kv, blocks, block_size, heads, dim = shape
-    storage = torch.zeros((layers, kv, blocks, heads, block_size, dim), dtype=dtype, device=device,
-                          pin_memory=pin_memory)
+    make = torch.zeros if zeroed else torch.empty
+    storage = make((layers, kv, blocks, heads, block_size, dim), dtype=dtype, device=device, pin_memory=pin_memory)
     return storage.transpose(3, 4)
 
 
@@ -163,10 +169,10 @@ class ModelRunner:
         per_block = (block_size, config.num_kv_heads, config.head_dim)
         self.kv_cache = kv_pool((config.num_layers, 2, cache.num_device_blocks, *per_block), dtype, device)
         self.cpu_cache = kv_pool((config.num_layers, 2, cache.num_cpu_blocks, *per_block), dtype, "cpu",
-                                 pin_memory=device.type == "cuda")
+                                 pin_memory=device.type == "cuda", zeroed=False)
         # The host tier of engine.kv_tiers: the same layout, so its blocks move with the same swap kernel.
         self.host_cache = kv_pool((config.num_layers, 2, cache.num_host_blocks, *per_block), dtype, "cpu",
-                                  pin_memory=device.type == "cuda" and cache.num_host_blocks > 0)
+                                  pin_memory=device.type == "cuda" and cache.num_host_blocks > 0, zeroed=False)
         self.block_tables = BlockTables()
         # Packed (oneDNN) linears pay for every new row count; F.linear and GPU GEMMs do not.
         self.pad_rows = model.lm_head_packed is not None

@@ -160,6 +160,7 @@ def test_kv_pools_are_head_major_blocks_seen_token_major(tmp_path: Path) -> None
                                  swap_space_mb=1)
     for cache in (engine.runner.kv_cache, engine.runner.cpu_cache):
         assert cache.shape[4] > 1 and cache.transpose(3, 4).is_contiguous() and not cache.is_contiguous()
+    assert not engine.runner.kv_cache.any()  # what the kernels read is zeroed; the swap space need not be
 
 
 def test_the_slow_row_probe_runs_once_per_machine_and_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
