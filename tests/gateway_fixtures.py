@@ -110,8 +110,8 @@ def sdk_server(redis_proc: RedisProc) -> Iterator[LiveServer]:
     from engine.engine_process import ProcessEngine
 
     redis.Redis.from_url(redis_proc.url).flushdb()
-    eng = ProcessEngine.from_args(default_model_path(), dtype="float32", attention_backend="torch",
-                                  num_kv_blocks=512, max_num_seqs=16)
+    eng = ProcessEngine.from_args(default_model_path(), dtype="float32",
+                                  num_kv_blocks=1024, max_num_seqs=64)
     app = create_app(eng, Store.from_url(redis_proc.url, 3600, 60), Settings(max_n=4))
     with LiveServer(app) as live:
         live.gateway = app.state.gateway  # type: ignore[attr-defined]

@@ -158,7 +158,7 @@ def test_sdk_parse_validates_for_50_real_prompts_greedy_and_sampled(client: open
                                              response_format=shape, max_tokens=PARSE_MAX_TOKENS, **sampling)
         return shape, done.choices[0]
 
-    with ThreadPoolExecutor(32) as pool:
+    with ThreadPoolExecutor(len(jobs)) as pool:
         replies = list(pool.map(ask, jobs))
     assert len(replies) == 100
     for shape, choice in replies:
