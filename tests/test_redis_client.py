@@ -160,7 +160,8 @@ class Topology:
         """``tls`` (ca, cert, key): each node also listens on a TLS port (``tls_ports``), the replica replicates
         and the Sentinel talks to both over TLS, so the addresses the Sentinel names are TLS ports; the plain
         ports stay for the test's own looks."""
-        auth = f"requirepass {PASSWORD}\nmasterauth {PASSWORD}\nsave \"\"\nappendonly no\n"
+        # A master waits repl-diskless-sync-delay (5 s) for more replicas before it syncs the first one.
+        auth = f"requirepass {PASSWORD}\nmasterauth {PASSWORD}\nsave \"\"\nappendonly no\nrepl-diskless-sync-delay 0\n"
         self.tls_ports = {name: free_port() for name in ("master", "replica", "sentinel")} if tls else {}
 
         def tls_conf(name: str) -> str:
