@@ -14,13 +14,21 @@ The run can be spread over pytest-xdist worker processes, a test module at a tim
 many tests wait on subprocesses, Redis and servers, and a second worker fills that idle time. Module-scoped
 fixtures (one model load, one server per module) stay shared within their module only with ``loadfile``. A
 worker gives torch its share of the cores, not all of them, so that the workers do not oversubscribe them.
+
+httpx builds a new SSL context for every client, loading certifi's CA bundle each time; the tests make
+thousands of clients (``httpx.get`` in polling loops), every one to a plain-HTTP server on localhost, and a
+run spent about 35 s of CPU loading that bundle. Clients that take httpx's default verification share one
+context instead (``share_default_ssl_context``); a client given its own ``verify`` or ``cert`` is untouched.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import ssl
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import background
 import pytest
@@ -48,7 +56,34 @@ def _xdist_workers() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")) if "PYTEST_XDIST_WORKER" in os.environ else 0
 
 
+def share_default_ssl_context(package: str) -> None:
+    """Make ``package`` (httpx, or the copy the openai SDK ships as httpx2) build its default client SSL
+    context once per process: one for each value of the SSL_CERT_FILE and SSL_CERT_DIR it reads per client.
+    A client given its own ``verify`` or ``cert`` gets its own context, as httpx builds it."""
+    try:
+        transports = importlib.import_module(f"{package}._transports.default")
+    except ImportError:
+        return
+    build: Callable[..., ssl.SSLContext] = getattr(transports, "create_ssl_context")  # noqa: B009
+    if getattr(build, "shares_default", False):
+        return
+    shared: dict[tuple[str | None, ...], ssl.SSLContext] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+        if verify is not True or cert is not None:
+            return build(verify=verify, cert=cert, trust_env=trust_env)
+        key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")) if trust_env else (None, None)
+        if key not in shared:
+            shared[key] = build(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    create_ssl_context.shares_default = True  # type: ignore[attr-defined]
+    setattr(transports, "create_ssl_context", create_ssl_context)  # noqa: B010 - a module, typed as Any
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    for package in ("httpx", "httpx2"):
+        share_default_ssl_context(package)
     if workers := _xdist_workers():
         import torch
 

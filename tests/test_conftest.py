@@ -44,3 +44,21 @@ def test_run_long_runs_them(tmp_path: Path) -> None:
     assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-2000:]
     selected = run_pytest(tmp_path, "--run-long", "-m", "long")  # what .ci/run does after the default run
     assert "1 passed, 1 deselected" in selected.stdout, selected.stdout[-2000:]
+
+
+def test_httpx_clients_share_the_default_ssl_context_only() -> None:
+    """Default clients share one SSL context (the CA bundle loaded once); a client with its own verification
+    gets its own, as httpx builds it."""
+    import ssl
+
+    import httpx
+    from conftest import share_default_ssl_context
+
+    share_default_ssl_context("httpx")  # done at start-up already; a second call changes nothing
+    contexts = []
+    for kw in ({}, {}, {"verify": False}, {"verify": ssl.create_default_context()}):
+        with httpx.Client(**kw) as client:  # type: ignore[arg-type]
+            contexts.append(client._transport._pool._ssl_context)  # type: ignore[attr-defined]
+    assert contexts[0] is contexts[1] and contexts[0].verify_mode == ssl.CERT_REQUIRED
+    assert contexts[2] is not contexts[0] and contexts[2].verify_mode == ssl.CERT_NONE
+    assert contexts[3] is not contexts[0]
