@@ -10,9 +10,15 @@
 // with D contiguous; block_tables int32 [B, max_blocks]; query_start_loc int32 [B + 1]; context_lens
 // int32 [B] (tokens in cache after this step's writes).
 
-#include <torch/extension.h>
-
+// The ATen pieces used, not <torch/extension.h>: that header brings the whole C++ frontend (autograd, nn,
+// optim) and tripled the time spent parsing headers, paid by every ISA build.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/rms_norm.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
