@@ -12,10 +12,12 @@ weights and config, in a second.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +39,36 @@ def reference_copy(source: Path, load: Callable[[], Any], root: Path) -> Any:
     stat = source.stat()
     key = repr((str(source.resolve()), stat.st_size, stat.st_mtime_ns, transformers.__version__))
     copy = root / f"{source.stem}-{hashlib.blake2b(key.encode(), digest_size=12).hexdigest()}"
-    if copy.is_dir():
-        return AutoModelForCausalLM.from_pretrained(str(copy), dtype=torch.float32)
-    model = load()
-    tmp = root / f".{copy.name}.{os.getpid()}.tmp"
+    with _one_maker(root):
+        if copy.is_dir():
+            return AutoModelForCausalLM.from_pretrained(str(copy), dtype=torch.float32)
+        model = load()
+        tmp = root / f".{copy.name}.{os.getpid()}.tmp"
+        try:
+            _save(model, tmp)
+            os.replace(tmp, copy)
+        except OSError:  # no room, read-only, or another process's copy got there first: this run loaded anyway
+            shutil.rmtree(tmp, ignore_errors=True)
+        return model
+
+
+@contextlib.contextmanager
+def _one_maker(root: Path) -> Iterator[None]:
+    """Held while a copy under ``root`` is looked for and made: the xdist workers of a cold run ask for the
+    reference at about the same time, and each converted it (a dozen seconds of a core) where the second can
+    wait and read the first one's copy. The lock file sits beside ``root``; where it cannot be made, nothing
+    is held (the copy's rename still keeps it whole)."""
     try:
-        _save(model, tmp)
-        os.replace(tmp, copy)
-    except OSError:  # no room, read-only, or another process's copy got there first: this run loaded anyway
-        shutil.rmtree(tmp, ignore_errors=True)
-    return model
+        root.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
+        yield
+    finally:
+        os.close(fd)
 
 
 def _save(model: Any, directory: Path) -> None:

@@ -4,6 +4,8 @@ place with the same weights and config, and made again when the source changes."
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,3 +67,26 @@ def test_a_copy_that_cannot_be_saved_leaves_the_loaded_model_and_nothing_else(tm
     model = reference_copy(source, _loader(model_dir, calls), root)
     assert calls == [1] and isinstance(model, torch.nn.Module)
     assert root.read_text() == "not a directory"
+
+
+def test_two_asking_at_once_make_one_copy(tmp_path: Path) -> None:
+    """A second asker waits for the first one's copy instead of loading the source again."""
+    model_dir = make_tiny_model_dir(tmp_path)
+    source, root = model_dir / "model.safetensors", tmp_path / "copies"
+    calls: list[int] = []
+    slow = _loader(model_dir, calls)
+
+    def load() -> Any:
+        time.sleep(0.5)  # long enough for the other thread to arrive while this one loads
+        return slow()
+
+    models: list[Any] = []
+    askers = [threading.Thread(target=lambda: models.append(reference_copy(source, load, root))) for _ in range(2)]
+    for t in askers:
+        t.start()
+    for t in askers:
+        t.join()
+    assert calls == [1] and len(models) == 2
+    want, got = models[0].state_dict(), models[1].state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
