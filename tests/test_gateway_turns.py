@@ -77,7 +77,7 @@ def test_a_long_conversation_gets_the_reply_the_whole_history_would_give(redis_p
     sync_redis.Redis.from_url(redis_proc.url).flushdb()
     # A short context and short replies keep each turn cheap; the messages are sized to them so that, as with
     # a longer context, two earlier turns fit beside the new message and the tail reads go past the first.
-    max_len, reply_tokens = 256, 8
+    max_len, reply_tokens = 256, 4
     engine = AsyncEngine.from_args(model=default_model_path(), dtype="float32", num_kv_blocks=256, max_model_len=max_len)
     app = create_app(engine, Store.from_url(redis_proc.url), Settings(history_max_messages=6))
     with LiveServer(app) as live:
