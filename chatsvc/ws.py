@@ -120,21 +120,29 @@ class Connection:
     async def _pump(self, reader: ops.ReplyReader) -> None:
         try:
             async for eid, ev, _ in reader.events():
-                if ev["type"] == "delta":
-                    await self.send_text(delta_frame(ev["text"], eid))
-                elif ev["type"] == "done":
-                    await self.send({"type": "done", "finish_reason": ev["finish_reason"], "usage": ev["usage"],
-                                     "id": eid, "message": ev.get("message"),
-                                     **({"truncated_turns": ev["truncated_turns"]} if "truncated_turns" in ev else {})})
-                else:
-                    await self.send({"type": "error", "code": ev.get("code", "error"),
-                                     "message": ev.get("message", ""), "id": eid})
+                try:
+                    await self._forward(eid, ev)
+                except Exception as exc:  # the socket went away under us
+                    # Left to the receive loop, which sees the close and releases with its code: a clean
+                    # close aborts at once. Released here, a send that lost that race started a grace.
+                    log.debug("pump ended: %r", exc)
+                    return
         except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the socket went away under us; the receive loop cleans up
+            raise  # whoever cancelled released the reader first
+        except Exception as exc:  # reading the reply failed: the socket stays, the grace applies
             log.debug("pump ended: %r", exc)
-        finally:
-            reader.release()  # a no-op when close() released it first (maybe aborting)
+        reader.release()
+
+    async def _forward(self, eid: str, ev: dict[str, Any]) -> None:
+        if ev["type"] == "delta":
+            await self.send_text(delta_frame(ev["text"], eid))
+        elif ev["type"] == "done":
+            await self.send({"type": "done", "finish_reason": ev["finish_reason"], "usage": ev["usage"],
+                             "id": eid, "message": ev.get("message"),
+                             **({"truncated_turns": ev["truncated_turns"]} if "truncated_turns" in ev else {})})
+        else:
+            await self.send({"type": "error", "code": ev.get("code", "error"),
+                             "message": ev.get("message", ""), "id": eid})
 
     def _stop_pump(self, abort_now: bool) -> None:
         # Released before the pump is cancelled, so a clean close's abort is not pre-empted by the pump's

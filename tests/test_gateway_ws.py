@@ -127,6 +127,23 @@ def test_a_clean_close_aborts_at_once(server: LiveServer, engine: FakeEngine) ->
     assert wait_for(lambda: rid in engine.aborted, timeout=GRACE_S / 2)
 
 
+def test_a_clean_close_while_deltas_stream_aborts_at_once(server: LiveServer, engine: FakeEngine) -> None:
+    # Deltas as fast as the engine makes them, read by a client that keeps reading (unbounded queue): the
+    # server's pump is mid-send when the close comes, and losing that race must not turn it into a grace.
+    engine.step_s = 0.001
+    aborted = []
+    for _ in range(10):
+        with connect(server.ws_url + "/v1/ws", max_queue=None) as ws:
+            ask(ws, {"type": "hello"})
+            ws.send(json.dumps({"type": "message", "content": "long", "max_tokens": 300, "ignore_eos": True}))
+            for _ in range(20):
+                frame = recv(ws)
+                assert frame["type"] == "delta", frame
+            rid = list(engine.submitted)[-1]
+        aborted.append(wait_for(lambda rid=rid: rid in engine.aborted, timeout=GRACE_S / 2))
+    assert all(aborted), aborted
+
+
 def test_a_dropped_connection_aborts_after_the_grace_unless_resumed(server: LiveServer, engine: FakeEngine) -> None:
     engine.step_s = 0.05
 

@@ -179,7 +179,9 @@ def test_a_clean_websocket_close_by_the_last_reader_elsewhere_aborts_at_once(
         first = SSE(client, "POST", f"{a.url}/v1/sessions/{sid}/messages", json=ask(sid, LONG_REPLY))
         eid, _ = first.next()
         first.close()  # A's grace starts; the reader moves to B
-        with connect(b.url.replace("http://", "ws://") + "/v1/ws") as ws:
+        # An unbounded queue: a bounded one stops reading once the deltas fill it, so the client would not
+        # see the server's close frame and would wait out its close_timeout (10 s) on leaving the block.
+        with connect(b.url.replace("http://", "ws://") + "/v1/ws", max_queue=None) as ws:
             ws.send(json.dumps({"type": "hello", "session_id": sid}))
             assert json.loads(ws.recv(timeout=30))["busy"] is True
             ws.send(json.dumps({"type": "resume", "after": eid}))
