@@ -13,7 +13,6 @@ weights and config, in a second.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -26,6 +25,7 @@ import torch
 
 from engine.model_files import default_model_path
 from engine.tokenizer import cache_dir
+from kernels.build_lock import build_lock
 
 
 def reference_copy(source: Path, load: Callable[[], Any], root: Path) -> Any:
@@ -56,19 +56,12 @@ def reference_copy(source: Path, load: Callable[[], Any], root: Path) -> Any:
 def _one_maker(root: Path) -> Iterator[None]:
     """Held while a copy under ``root`` is looked for and made: the xdist workers of a cold run ask for the
     reference at about the same time, and each converted it (a dozen seconds of a core) where the second can
-    wait and read the first one's copy. The lock file sits beside ``root``; where it cannot be made, nothing
-    is held (the copy's rename still keeps it whole)."""
-    try:
-        root.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(root.parent / f".{root.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
+    wait, within the kernels' build bound, and read the first one's copy. Where the lock cannot be made,
+    nothing is held (the copy's rename still keeps it whole)."""
+    with contextlib.ExitStack() as held:
+        with contextlib.suppress(OSError):
+            held.enter_context(build_lock(root.parent / f".{root.name}-lock"))  # beside root: root holds copies only
         yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
-        yield
-    finally:
-        os.close(fd)
 
 
 def _save(model: Any, directory: Path) -> None:

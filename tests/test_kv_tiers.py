@@ -423,35 +423,39 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+REAL_PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _real_turn(e: LLMEngine, ids: list[int], rid: str) -> tuple[list[int], int]:
+    """One turn through the engine to its end: its greedy tokens and how many prompt tokens were cached."""
+    group = e.add_request(rid, REAL_PARAMS, prompt_token_ids=ids)
+    while e.has_unfinished():
+        e.step()
+    e.block_manager.check_invariants()
+    return group.seqs[0].output_token_ids, group.num_cached_tokens
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_real_model_restores_match_transformers(tmp_path: Path, hf_greedy: Callable[[list[int], int], list[int]],  # noqa: F811
                                                 one_thread: None) -> None:
     """SmolLM2 in float32: a returning conversation restored from the host tier, from the disk tier, and
     after a restart gives transformers' greedy tokens (a recompute's)."""
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     rng = random.Random(1)
     convs = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(5)]
 
     def engine(**kw: Any) -> LLMEngine:
         return LLM(dtype="float32", num_kv_blocks=30, block_size=16, engine_threads=1, **kw).engine
 
-    def turn(e: LLMEngine, ids: list[int], rid: str) -> tuple[list[int], int]:
-        group = e.add_request(rid, params, prompt_token_ids=ids)
-        while e.has_unfinished():
-            e.step()
-        e.block_manager.check_invariants()
-        return group.seqs[0].output_token_ids, group.num_cached_tokens
-
     block_bytes = 737280  # SmolLM2-135M, float32: 30 layers x K,V x 16 tokens x 3 heads x 64
     host = engine(kv_host_bytes=40 * block_bytes)
     # 24 host blocks: the 12 a disk read needs fit in the half it may fill; 5 conversations' 65 do not.
     disk = engine(kv_host_bytes=24 * block_bytes, kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30)
     for e, tier in ((host, "host"), (disk, "disk")):
-        replies = [turn(e, c, f"{tier}-{i}")[0] for i, c in enumerate(convs)]
+        replies = [_real_turn(e, c, f"{tier}-{i}")[0] for i, c in enumerate(convs)]
         assert replies[0] == hf_greedy(convs[0], 6)
         back = convs[0] + replies[0] + [504, 1234, 28]
-        tokens, cached = turn(e, back, f"{tier}-back")
+        tokens, cached = _real_turn(e, back, f"{tier}-back")
         assert cached == 192  # the 12 full blocks of the first prompt
         assert tokens == hf_greedy(back, 6)
         stats = e.stats()
@@ -460,7 +464,7 @@ def test_real_model_restores_match_transformers(tmp_path: Path, hf_greedy: Calla
     disk.close()
     restarted = engine(kv_host_bytes=24 * block_bytes, kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30)
     back = convs[1] + hf_greedy(convs[1], 6) + [504, 1234, 28]
-    tokens, cached = turn(restarted, back, "after-restart")
+    tokens, cached = _real_turn(restarted, back, "after-restart")
     assert cached == 192 and tokens == hf_greedy(back, 6)
 
 
@@ -471,28 +475,20 @@ def test_real_model_warmed_session_matches_transformers(tmp_path: Path,
                                                         one_thread: None) -> None:
     """SmolLM2 in float32: a conversation pushed to the disk tier and warmed before its next message is
     restored from the host tier and gives transformers' greedy tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     rng = random.Random(2)
     convs = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(5)]
     block_bytes = 737280  # SmolLM2-135M, float32
     engine = LLM(dtype="float32", num_kv_blocks=30, block_size=16, kv_host_bytes=24 * block_bytes,
                  kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30, engine_threads=1).engine
 
-    def turn(ids: list[int], rid: str) -> tuple[list[int], int]:
-        group = engine.add_request(rid, params, prompt_token_ids=ids)
-        while engine.has_unfinished():
-            engine.step()
-        engine.block_manager.check_invariants()
-        return group.seqs[0].output_token_ids, group.num_cached_tokens
-
-    replies = [turn(c, f"first-{i}")[0] for i, c in enumerate(convs)]
+    replies = [_real_turn(engine, c, f"first-{i}")[0] for i, c in enumerate(convs)]
     assert engine.warm_prefix("s0", convs[0] + replies[0]) > 0
     while engine.has_unfinished():
         engine.step()
     read = engine.stats().kv_disk_hit_blocks
     assert read > 0
     back = convs[0] + replies[0] + [504, 1234, 28]
-    tokens, cached = turn(back, "back")
+    tokens, cached = _real_turn(engine, back, "back")
     assert cached == 192 and tokens == hf_greedy(back, 6)
     stats = engine.stats()
     # Read from disk by the warm only; the rest of the 12 came into the pool by the warm or the admission.
@@ -550,7 +546,6 @@ def test_real_model_restore_from_a_preloaded_host_tier_matches_transformers(
         tmp_path: Path, hf_greedy: Callable[[list[int], int], list[int]], one_thread: None) -> None:  # noqa: F811
     """SmolLM2 in float32: after a restart, a conversation restored from the host tier the start-up preload
     refilled (no read of its own from disk) gives transformers' greedy tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     rng = random.Random(3)
     convs = [[rng.randrange(100, 40000) for _ in range(200)] for _ in range(3)]
     block_bytes = 737280  # SmolLM2-135M, float32
@@ -559,21 +554,14 @@ def test_real_model_restore_from_a_preloaded_host_tier_matches_transformers(
         return LLM(dtype="float32", num_kv_blocks=30, block_size=16, kv_host_bytes=48 * block_bytes,
                    kv_disk_dir=str(tmp_path), kv_disk_bytes=1 << 30, engine_threads=1).engine
 
-    def turn(e: LLMEngine, ids: list[int], rid: str) -> tuple[list[int], int]:
-        group = e.add_request(rid, params, prompt_token_ids=ids)
-        while e.has_unfinished():
-            e.step()
-        e.block_manager.check_invariants()
-        return group.seqs[0].output_token_ids, group.num_cached_tokens
-
     first = engine()
-    replies = [turn(first, c, f"first-{i}")[0] for i, c in enumerate(convs)]
+    replies = [_real_turn(first, c, f"first-{i}")[0] for i, c in enumerate(convs)]
     first.close()
     restarted = engine()
     _preload(restarted)
     assert restarted.stats().kv_host_preloaded_blocks >= 12
     back = convs[0] + replies[0] + [504, 1234, 28]
-    tokens, cached = turn(restarted, back, "back")
+    tokens, cached = _real_turn(restarted, back, "back")
     assert cached == 192 and tokens == hf_greedy(back, 6)
     stats = restarted.stats()
     assert stats.kv_disk_hit_blocks == 0 and stats.kv_host_hit_blocks >= 12
