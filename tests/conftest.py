@@ -10,8 +10,8 @@ does not fail tests that are merely slow there.
 Tests marked ``long`` (multi-process chaos, soak) are skipped unless ``--run-long`` is given: README's test
 command stays short, and .ci/run runs them after it.
 
-The run can be spread over pytest-xdist worker processes, a test module at a time (``-n 2 --dist loadfile``):
-many tests wait on subprocesses, Redis and servers, and a second worker fills that idle time. Module-scoped
+The run can be spread over pytest-xdist worker processes, a test module at a time (``-n 3 --dist loadfile``):
+many tests wait on subprocesses, Redis and servers, and more workers than cores fill that idle time. Module-scoped
 fixtures (one model load, one server per module) stay shared within their module only with ``loadfile``. A
 worker gives torch its share of the cores, not all of them, so that the workers do not oversubscribe them.
 
