@@ -20,7 +20,9 @@ traces share no prefix; the chat template's system prompt would otherwise be sha
 Rates: each workload is first timed with one request alone (its e2e seconds ``T1`` and normalized latency
 ``L1``, the unloaded latency); the sweep's rates are ``--rate-multipliers`` x 1/T1, and each system's sweep
 stops at the first rate above the threshold ``--threshold`` x L1 (higher rates only queue more). The rate a
-system sustains: where its curve crosses the threshold, interpolated between the swept rates.
+system sustains: where its curve crosses the threshold, interpolated between the swept rates; a system that
+never crosses it sustains at least the highest rate swept, and a ratio is then a bound (``>=``, ``<=``) or, where
+neither system crossed, not measured (``?``).
 
 Order: ShareGPT and Alpaca (Figs. 12, 13), the chatbot (Fig. 17), then Fig. 14 (paged and Oracle only); no run
 starts after ``--budget-min`` minutes, and a sweep cut short says so in the record.
@@ -126,13 +128,25 @@ class Sweep:
             below = run
         return below.rate if below else None
 
+    def never_crossed(self, policy: str) -> bool:
+        """Whether ``policy`` stayed under the threshold at every rate swept: its sustained rate is then only
+        a lower bound (the highest rate swept)."""
+        curve = self.curve(policy)
+        return bool(curve) and not any(self.over(r) for r in curve)
+
+    def bound(self, policy: str) -> str:
+        """How paged's ratio over ``policy`` reads: "=" measured, ">=" paged never crossed (a lower bound),
+        "<=" only ``policy`` never crossed (an upper bound), "?" neither crossed (no ratio)."""
+        paged, other = self.never_crossed("paged"), self.never_crossed(policy)
+        return "?" if paged and other else ">=" if paged else "<=" if other else "="
+
     def over(self, run: Run) -> bool:
         """Whether the run is past the threshold: too slow, or stopped still busy."""
         return run.stopped or run.normalized_latency > self.threshold
 
     def ratio(self, policy: str) -> float | None:
         paged, other = self.sustained("paged"), self.sustained(policy)
-        return paged / other if paged and other else None
+        return paged / other if paged and other and self.bound(policy) != "?" else None
 
 
 def make_engine(kv_tokens: int, max_model_len: int, args: argparse.Namespace) -> Any:
@@ -251,10 +265,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--window", type=float, default=15.0, help="seconds of arrivals per run")
     parser.add_argument("--min-requests", type=int, default=3)
     floats = lambda s: [float(x) for x in s.split(",")]  # noqa: E731
-    parser.add_argument("--rate-multipliers", type=floats, default=[2.0, 4.0, 8.0],
+    parser.add_argument("--rate-multipliers", type=floats, default=[2.0, 4.0, 8.0, 16.0],
                         help="the rates of Figs. 12, 13, as multiples of 1/T1")
     parser.add_argument("--chat-multipliers", type=floats, default=[1.0, 3.0, 6.0])
-    parser.add_argument("--fig14-multipliers", type=floats, default=[2.0, 6.0])
+    parser.add_argument("--fig14-multipliers", type=floats, default=[2.0, 6.0, 12.0])
     parser.add_argument("--budget-min", type=float, default=24.0,
                         help="no new run starts after this many minutes; a sweep cut short says so")
     parser.add_argument("--threshold", type=float, default=4.0,
@@ -361,20 +375,25 @@ def write(args: argparse.Namespace, sweeps: dict[str, Sweep], load_before: tuple
             lines.append(f"  {LABELS[r.policy]:>14} {r.rate:7.3f} {r.normalized_latency:8.3f} {r.mean_batched:8.1f} "
                          f"{r.finished:>3}/{r.requests:<3} {r.output_tokens_per_s:7.1f} {r.preemptions:8}{mark}")
         policies = sorted({r.policy for r in s.runs}, key=POLICIES.index)
-        sustained = ", ".join(f"{LABELS[p]} {fmt(s.sustained(p))}" for p in policies)
-        ratios = ", ".join(f"vs {LABELS[p]} {fmt(s.ratio(p), 'x')}" for p in policies if p != "paged")
+        sustained = ", ".join(f"{LABELS[p]} {'>=' if s.never_crossed(p) else ''}{fmt(s.sustained(p))}"
+                              for p in policies)
+        ratios = ", ".join(f"vs {LABELS[p]} {s.bound(p).strip('=') if s.bound(p) != '=' else ''}"
+                           f"{fmt(s.ratio(p), 'x') if s.bound(p) != '?' else '- (neither crossed)'}"
+                           for p in policies if p != "paged")
         lines.append(f"  sustained req/s under the threshold: {sustained}; paged {ratios}")
         if s.cut_short:
             lines.append(f"  cut short: the {args.budget_min}-minute budget ran out during this sweep")
         lines.append("")
     if "sharegpt" in sweeps:
         s = sweeps["sharegpt"]
-        lines.append(f"ShareGPT: paged sustains {fmt(s.ratio('max'), 'x')} Orca (Max)'s rate (paper "
-                     f"{PAPER_RATIOS['max']}) and {fmt(s.ratio('oracle'), 'x')} Orca (Oracle)'s (paper "
-                     f"{PAPER_RATIOS['oracle']})")
+        lines.append(f"ShareGPT: paged sustains {s.bound('max')} {fmt(s.ratio('max'), 'x')} Orca (Max)'s rate (paper "
+                     f"{PAPER_RATIOS['max']}) and {s.bound('oracle')} {fmt(s.ratio('oracle'), 'x')} Orca (Oracle)'s "
+                     f"(paper {PAPER_RATIOS['oracle']}); >= a lower bound, ? neither crossed the threshold")
     summary = {name: {"base_rate": s.base_rate, "unloaded_latency": s.unloaded_latency, "threshold": s.threshold,
                       "sustained": {p: s.sustained(p) for p in POLICIES if s.curve(p)},
-                      "ratio_paged_over": {p: s.ratio(p) for p in POLICIES if p != "paged" and s.curve(p)}}
+                      "ratio_paged_over": {p: s.ratio(p) for p in POLICIES if p != "paged" and s.curve(p)},
+                      "ratio_bound": {p: s.bound(p) for p in POLICIES if p != "paged" and s.curve(p)},
+                      "never_crossed": [p for p in POLICIES if s.never_crossed(p)]}
                for name, s in sweeps.items()}
     lines.append(json.dumps({"summary": summary, "runs": [asdict(r) for s in sweeps.values() for r in s.runs],
                              "load_before": load_before, "load_after": load_after, "seconds": seconds,
