@@ -4,7 +4,8 @@
   each benchmark per machine class) and the superseded ones, each with the commit that still holds it;
 - ``docs/performance.md``: every kept record's figures, by benchmark and machine class;
 - the performance table in ``README.md`` (between the two marker comments): one figure per benchmark and
-  class, each linking its record.
+  class, each linking its record, then one row per figure of the paper's end-to-end experiments, whose
+  records live in ``docs/paper/`` (``PAPER_RECORDS``), our ratio next to the paper's.
 
 Usage: python benchmarks/results_index.py [--check]
 
@@ -31,7 +32,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is a folder, not an installed package
+
+from benchmarks.machine import machine_class  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
+PAPER = ROOT / "docs" / "paper"
 INDEX_JSON = RESULTS / "index.json"
 INDEX_MD = RESULTS / "README.md"
 PERFORMANCE_MD = ROOT / "docs" / "performance.md"
@@ -395,6 +401,95 @@ BENCHMARKS: dict[str, Benchmark] = {
 }
 
 
+# ---------------------------------------------------------------------------------------------- the paper
+
+
+def _paper_ratio(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.2f}×"
+
+
+def _latency_vs_rate(f: dict[str, Any]) -> list[tuple[str, str]]:
+    s = f["summary"]
+
+    def paged_over(workload: str, *baselines: str) -> str:
+        # A bound where a curve never crossed the threshold in the rates swept (">=", "<="); "?" neither did.
+        w = s.get(workload, {})
+        ratios, bounds = w.get("ratio_paged_over", {}), w.get("ratio_bound", {})
+        return " / ".join(
+            "?" if bounds.get(b) == "?" else bounds.get(b, "=").replace("=", "", 1).replace(">", "≥").replace("<", "≤")
+            + _paper_ratio(ratios.get(b)) for b in baselines)
+
+    rows = [("Fig. 12, ShareGPT: sustained rate, paged / Orca (Max), (Oracle)",
+             f"**{paged_over('sharegpt', 'max', 'oracle')}** (paper 2.7-8× / 1.7-2.7×)")]
+    # Fig. 13: at the highest ShareGPT rate both ran, the requests paged batched per Orca (Oracle)'s.
+    both = {}
+    for run in f.get("runs", []):
+        if run["workload"] == "sharegpt" and run["policy"] in ("paged", "oracle"):
+            both.setdefault(run["rate"], {})[run["policy"]] = run["mean_batched"]
+    rates = [r for r, b in both.items() if len(b) == 2 and b["oracle"]]
+    if rates:
+        top = both[max(rates)]
+        rows.append(("Fig. 13, ShareGPT: mean batched requests, paged / Orca (Oracle)",
+                     f"**{top['paged'] / top['oracle']:.2f}×** at {max(rates):.2f} req/s (paper 2.4-4.3×)"))
+    widths = [k for k in s if k.startswith("alpaca ") and "oracle" in s[k].get("ratio_paged_over", {})]
+    if widths:
+        rows.append(("Fig. 14, Alpaca-like: sustained rate, paged / Orca (Oracle), " + ", ".join(
+            k.removeprefix("alpaca ") for k in widths),
+            "**" + ", ".join(paged_over(k, "oracle") for k in widths)
+            + "** (paper up to 2.3× for beam search)"))
+    rows.append(("Fig. 17, chatbot: sustained rate, paged / Orca (Max), (Pow2), (Oracle)",
+                 f"**{paged_over('chatbot', 'max', 'pow2', 'oracle')}** (paper about 2×)"))
+    return rows
+
+
+def _goodput_vs_vllm(f: dict[str, Any]) -> list[tuple[str, str]]:
+    s, slo = f["summary"], f.get("slo_ms", {})
+    bound = ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo.items())
+    return [(f"SLO goodput ({bound}), peak: chatsvc serve / vLLM",
+             f"**{_paper_ratio(s.get('ratio_ours_over_vllm'))}** ({_n(s['ours']['peak_goodput_req_s'], 2)} / "
+             f"{_n(s['vllm']['peak_goodput_req_s'], 2)} req/s; no such figure in the paper)")]
+
+
+# The paper's end-to-end experiments: their records are docs/paper/<name>.txt (text, plots and JSON last),
+# one each, replaced by a new run (git keeps the old ones).
+PAPER_RECORDS: dict[str, Benchmark] = {
+    "latency_vs_rate": Benchmark(
+        "Paper: latency vs rate", "Normalized latency against request rate in this engine, paged allocation "
+        "against the Orca reservations (Figs. 12-14, 17).", _latency_vs_rate),
+    "goodput_vs_vllm": Benchmark(
+        "Paper: goodput vs vLLM", "SLO goodput against request rate over HTTP, `chatsvc serve` against vLLM.",
+        _goodput_vs_vllm),
+}
+
+
+def paper_records(paper: Path = PAPER) -> list[Record]:
+    out = []
+    for name in PAPER_RECORDS:
+        file = paper / f"{name}.txt"
+        if not file.exists():
+            continue
+        final = _last_json(file.read_text())
+        host = final.get("machine") or {}
+        # Both run the model in its default dtype (auto: bf16 where the CPU has it natively).
+        cls = machine_class(list(host.get("isa", [])), "auto")
+        out.append(Record(name, cls, f"{PAPER.relative_to(ROOT).as_posix()}/{file.name}", "", str(host.get("commit")),
+                          str(host.get("cpu")), str(final.get("command", "")), final))
+    return out
+
+
+def paper_rows(papers: list[Record]) -> list[str]:
+    rows = []
+    for r in papers:
+        spec = PAPER_RECORDS[r.benchmark]
+        try:
+            figs = spec.figures(r.final)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            raise ValueError(f"{r.path}: its JSON lacks what the {r.benchmark} figures need ({exc!r})") from exc
+        rows += [f"| {spec.title} | `{r.cls}` | {what}: {value} | [{Path(r.path).name}]({r.path}) |"
+                 for what, value in figs]
+    return rows
+
+
 def figures(r: Record) -> list[tuple[str, str]]:
     spec = BENCHMARKS.get(r.benchmark)
     try:
@@ -452,13 +547,14 @@ def _link(r: Record, from_dir: str) -> str:
     return "../" * depth + str(Path(r.path).parent.as_posix()) + "/"
 
 
-def readme_table(kept: list[Record]) -> str:
+def readme_table(kept: list[Record], papers: list[Record] | None = None) -> str:
     lines = [BEGIN, "", "| benchmark | machine class | figure | record |", "|---|---|---|---|"]
     for r in _order(kept):
         first = figures(r)[:1]
         figure = f"{first[0][0]}: **{first[0][1]}**" if first else "see the record"
         title = BENCHMARKS[r.benchmark].title if r.benchmark in BENCHMARKS else r.benchmark
         lines.append(f"| {title} | `{r.cls}` | {figure} | [{r.date[:10]}]({_link(r, '')}) |")
+    lines += paper_rows(papers or [])
     return "\n".join([*lines, "", END])
 
 
@@ -526,7 +622,7 @@ def render(results: Path = RESULTS) -> dict[Path, str]:
     previous = json.loads(INDEX_JSON.read_text()) if INDEX_JSON.exists() else {}
     index = build_index(kept, previous)
     return {INDEX_JSON: json.dumps(index, indent=1) + "\n", INDEX_MD: index_page(index),
-            PERFORMANCE_MD: performance_page(kept), README: with_readme_table(README.read_text(), readme_table(kept))}
+            PERFORMANCE_MD: performance_page(kept), README: with_readme_table(README.read_text(), readme_table(kept, paper_records()))}
 
 
 def stale(pages: dict[Path, str]) -> list[Path]:

@@ -41,6 +41,19 @@ def test_sustained_rate_interpolates_the_threshold_crossing() -> None:
     assert stopped.sustained("paged") is None
 
 
+def test_a_curve_that_never_crosses_makes_the_ratio_a_bound() -> None:
+    sweep = Sweep("w", base_rate=1.0, unloaded_latency=0.1, threshold=0.4)
+    sweep.runs += [_run("paged", 1, 0.1), _run("paged", 2, 0.2)]  # never crosses: sustains >= 2
+    sweep.runs += [_run("max", 1, 0.3), _run("max", 2, 0.5)]  # crosses at 1.5
+    sweep.runs += [_run("oracle", 1, 0.1), _run("oracle", 2, 0.3)]  # never crosses either
+    assert sweep.never_crossed("paged") and not sweep.never_crossed("max")
+    assert sweep.bound("max") == ">=" and sweep.ratio("max") == pytest.approx(2 / 1.5)
+    assert sweep.bound("oracle") == "?" and sweep.ratio("oracle") is None  # 2 / 2 would read as measured
+    crossing = Sweep("w", base_rate=1.0, unloaded_latency=0.1, threshold=0.4)
+    crossing.runs += [_run("paged", 1, 0.1), _run("paged", 2, 0.6), _run("pow2", 1, 0.1), _run("pow2", 2, 0.2)]
+    assert crossing.bound("pow2") == "<=" and crossing.ratio("pow2") == pytest.approx(1.6 / 2)
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.long  # minutes of arrivals in wall-clock time, mostly idle: .ci/run runs it

@@ -170,3 +170,25 @@ def test_the_served_session_return_record_reads_ratios_and_seconds_longest_first
     assert rows[1][1] == "0.50 / 4.00 / 2.00; 0.60 / 3.00, 0.70 / 3.50"
     assert rows[2][1] == "n/a, 5.00×; n/a"  # a run without vLLM says so
     assert rows[3][1] == "0.20 / 1.00 / n/a; 0.20 / n/a, 0.30 / n/a"
+
+
+def test_the_papers_records_give_one_row_per_figure_with_the_papers_ratio(tmp_path: Path) -> None:
+    runs = [{"workload": "sharegpt", "policy": p, "rate": rate, "mean_batched": b}
+            for p, rate, b in (("paged", 0.4, 2.0), ("oracle", 0.4, 1.0), ("paged", 0.8, 9.0), ("max", 0.8, 3.0))]
+    final = {"machine": {"cpu": "Intel Xeon", "isa": ["avx2", "avx512f", "avx512_bf16", "amx_bf16"],
+                         "commit": "abc1234"},
+             "command": "python benchmarks/paper/latency_vs_rate.py", "runs": runs,
+             "summary": {"sharegpt": {"ratio_paged_over": {"max": 2.5, "pow2": None, "oracle": 1.5},
+                                      "ratio_bound": {"max": ">=", "pow2": "?", "oracle": "="}},
+                         "chatbot": {"ratio_paged_over": {"max": 1.1, "pow2": 1.2, "oracle": 1.3}},
+                         "alpaca n=2": {"ratio_paged_over": {"oracle": 1.25}}}}
+    (tmp_path / "latency_vs_rate.txt").write_text("the paper's figures\ntable\n" + json.dumps(final) + "\n")
+    papers = ri.paper_records(tmp_path)
+    assert [(r.benchmark, r.cls, r.commit) for r in papers] == [("latency_vs_rate", "amx-bf16", "abc1234")]
+    rows = ri.paper_rows(papers)
+    assert len(rows) == 4  # Figs. 12, 13, 14, 17
+    assert "**≥2.50× / 1.50×** (paper 2.7-8× / 1.7-2.7×)" in rows[0]  # paged never crossed: a lower bound
+    assert "**2.00×** at 0.40 req/s" in rows[1]  # the highest rate both paged and Oracle ran
+    assert "n=2" in rows[2] and "**1.25×**" in rows[2]
+    assert "**1.10× / 1.20× / 1.30×**" in rows[3]
+    assert ri.readme_table([], papers).count("| Paper: latency vs rate |") == 4

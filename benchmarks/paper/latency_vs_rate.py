@@ -377,8 +377,8 @@ def write(args: argparse.Namespace, sweeps: dict[str, Sweep], load_before: tuple
         policies = sorted({r.policy for r in s.runs}, key=POLICIES.index)
         sustained = ", ".join(f"{LABELS[p]} {'>=' if s.never_crossed(p) else ''}{fmt(s.sustained(p))}"
                               for p in policies)
-        ratios = ", ".join(f"vs {LABELS[p]} {s.bound(p).strip('=') if s.bound(p) != '=' else ''}"
-                           f"{fmt(s.ratio(p), 'x') if s.bound(p) != '?' else '- (neither crossed)'}"
+        ratios = ", ".join(f"vs {LABELS[p]} " + ("- (neither crossed)" if s.bound(p) == "?" else
+                                                   f"{'' if s.bound(p) == '=' else s.bound(p)}{fmt(s.ratio(p), 'x')}")
                            for p in policies if p != "paged")
         lines.append(f"  sustained req/s under the threshold: {sustained}; paged {ratios}")
         if s.cut_short:
