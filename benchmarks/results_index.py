@@ -404,10 +404,6 @@ BENCHMARKS: dict[str, Benchmark] = {
 # ---------------------------------------------------------------------------------------------- the paper
 
 
-def _paper_ratio(v: Any) -> str:
-    return "-" if v is None else f"{float(v):.2f}×"
-
-
 def _latency_vs_rate(f: dict[str, Any]) -> list[tuple[str, str]]:
     s = f["summary"]
 
@@ -415,9 +411,9 @@ def _latency_vs_rate(f: dict[str, Any]) -> list[tuple[str, str]]:
         # A bound where a curve never crossed the threshold in the rates swept (">=", "<="); "?" neither did.
         w = s.get(workload, {})
         ratios, bounds = w.get("ratio_paged_over", {}), w.get("ratio_bound", {})
-        return " / ".join(
-            "?" if bounds.get(b) == "?" else bounds.get(b, "=").replace("=", "", 1).replace(">", "≥").replace("<", "≤")
-            + _paper_ratio(ratios.get(b)) for b in baselines)
+        signs = {"=": "", ">=": "≥", "<=": "≤"}
+        return " / ".join("?" if bounds.get(b) == "?" else signs[bounds.get(b, "=")] + _x(ratios.get(b))
+                          for b in baselines)
 
     rows = [("Fig. 12, ShareGPT: sustained rate, paged / Orca (Max), (Oracle)",
              f"**{paged_over('sharegpt', 'max', 'oracle')}** (paper 2.7-8× / 1.7-2.7×)")]
@@ -446,7 +442,7 @@ def _goodput_vs_vllm(f: dict[str, Any]) -> list[tuple[str, str]]:
     s, slo = f["summary"], f.get("slo_ms", {})
     bound = ", ".join(f"{k} ≤ {v:g} ms" for k, v in slo.items())
     return [(f"SLO goodput ({bound}), peak: chatsvc serve / vLLM",
-             f"**{_paper_ratio(s.get('ratio_ours_over_vllm'))}** ({_n(s['ours']['peak_goodput_req_s'], 2)} / "
+             f"**{_x(s.get('ratio_ours_over_vllm'))}** ({_n(s['ours']['peak_goodput_req_s'], 2)} / "
              f"{_n(s['vllm']['peak_goodput_req_s'], 2)} req/s; no such figure in the paper)")]
 
 
@@ -478,20 +474,12 @@ def paper_records(paper: Path = PAPER) -> list[Record]:
 
 
 def paper_rows(papers: list[Record]) -> list[str]:
-    rows = []
-    for r in papers:
-        spec = PAPER_RECORDS[r.benchmark]
-        try:
-            figs = spec.figures(r.final)
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
-            raise ValueError(f"{r.path}: its JSON lacks what the {r.benchmark} figures need ({exc!r})") from exc
-        rows += [f"| {spec.title} | `{r.cls}` | {what}: {value} | [{Path(r.path).name}]({r.path}) |"
-                 for what, value in figs]
-    return rows
+    return [f"| {PAPER_RECORDS[r.benchmark].title} | `{r.cls}` | {what}: {value} | [{Path(r.path).name}]({r.path}) |"
+            for r in papers for what, value in figures(r, PAPER_RECORDS)]
 
 
-def figures(r: Record) -> list[tuple[str, str]]:
-    spec = BENCHMARKS.get(r.benchmark)
+def figures(r: Record, specs: dict[str, Benchmark] = BENCHMARKS) -> list[tuple[str, str]]:
+    spec = specs.get(r.benchmark)
     try:
         return spec.figures(r.final) if spec else []
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
@@ -622,7 +610,8 @@ def render(results: Path = RESULTS) -> dict[Path, str]:
     previous = json.loads(INDEX_JSON.read_text()) if INDEX_JSON.exists() else {}
     index = build_index(kept, previous)
     return {INDEX_JSON: json.dumps(index, indent=1) + "\n", INDEX_MD: index_page(index),
-            PERFORMANCE_MD: performance_page(kept), README: with_readme_table(README.read_text(), readme_table(kept, paper_records()))}
+            PERFORMANCE_MD: performance_page(kept),
+            README: with_readme_table(README.read_text(), readme_table(kept, paper_records()))}
 
 
 def stale(pages: dict[Path, str]) -> list[Path]:
