@@ -277,12 +277,22 @@ struct alignas(64) TileConfig {
 // S[r][c] = Q[r] . K[c] for rows [0, rows) (a multiple of 16) and columns [0, cols) (a multiple of 16):
 // Q as bf16 pairs [rows][D / 2] (D a multiple of 32), K as pairs [D / 2][ldk], S float32 [rows][lds].
 // Tiles 0-3: four 16x16 blocks of S; 4: 16 query rows x 32 dims; 5: 32 dims x 16 positions (pairs).
+// amx_scores and amx_pv run on the tile configuration amx_begin loads (six tiles of 16 rows x 64 bytes), held
+// from a work item's first chunk to its last (amx_end): loading it costs more than a chunk's products.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_begin() {
+  // Filled before it is loaded, and kept: GCC does not count ldtilecfg as a read, and drops a local's stores.
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 6; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+__attribute__((target("amx-tile,amx-bf16"))) void amx_end() { _tile_release(); }
+
 __attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const uint32_t* Q, const uint32_t* Kp, float* S,
                                                             int64_t rows, int64_t cols, int64_t D, int64_t ldk,
                                                             int64_t lds) {
-  TileConfig cfg;
-  for (int t = 0; t < 6; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  _tile_loadconfig(&cfg);
   const int64_t qstride = D * 2, kstride = ldk * 4, sstride = lds * 4;
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     for (int64_t c0 = 0; c0 < cols; c0 += 64) {
@@ -315,7 +325,48 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const uint32_t* Q, 
       if (nb > 3) _tile_stored(3, out + 48, sstride);
     }
   }
-  _tile_release();
+}
+
+// acc[r][d] += sum_j P[r][j] V[j][d] for rows [0, rows) (a multiple of 16), positions [0, cols) (a multiple of
+// 32) and d in [0, D) (a multiple of 16): P as bf16 [rows][ldp], V as pairs [cols / 2][D] (positions 2 jp and
+// 2 jp + 1 of dimension d in one 32-bit pair, the even one low), acc float32 [rows][D]. The accumulators are
+// loaded into the tiles, so whatever rescaled them (the online softmax) stands.
+// Tiles 0-3: four 16x16 blocks of acc; 4: 16 rows x 32 positions of P; 5: 32 positions x 16 dims of V.
+__attribute__((target("amx-tile,amx-bf16"))) void amx_pv(const uint16_t* P, const uint32_t* Vp, float* acc,
+                                                        int64_t rows, int64_t cols, int64_t D, int64_t ldp) {
+  const int64_t pstride = ldp * 2, vstride = D * 4, astride = D * 4;
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nb = std::min<int64_t>(4, (D - d0) / 16);
+      float* out = acc + r0 * D + d0;
+      _tile_loadd(0, out, astride);
+      if (nb > 1) _tile_loadd(1, out + 16, astride);
+      if (nb > 2) _tile_loadd(2, out + 32, astride);
+      if (nb > 3) _tile_loadd(3, out + 48, astride);
+      for (int64_t k0 = 0; k0 < cols; k0 += 32) {
+        const uint32_t* v = Vp + (k0 / 2) * D + d0;
+        _tile_loadd(4, P + r0 * ldp + k0, pstride);
+        _tile_loadd(5, v, vstride);
+        _tile_dpbf16ps(0, 4, 5);
+        if (nb > 1) {
+          _tile_loadd(5, v + 16, vstride);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (nb > 2) {
+          _tile_loadd(5, v + 32, vstride);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (nb > 3) {
+          _tile_loadd(5, v + 48, vstride);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, out, astride);
+      if (nb > 1) _tile_stored(1, out + 16, astride);
+      if (nb > 2) _tile_stored(2, out + 32, astride);
+      if (nb > 3) _tile_stored(3, out + 48, astride);
+    }
+  }
 }
 #endif
 
@@ -329,6 +380,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_scores(const uint32_t* Q, 
 // in parallel and are merged afterwards.
 
 constexpr int64_t kQueryTile = 32;
+// Query tokens of a tile scored on AMX: each chunk's K and V are rearranged for the tiles once per work item,
+// so larger tiles spread that over more rows (a multiple of 16, so every tile's rows fill whole AMX tiles).
+#ifndef AMX_QUERY_TILE
+#define AMX_QUERY_TILE 128
+#endif
+constexpr int64_t kAmxQueryTile = AMX_QUERY_TILE;
 constexpr int64_t kChunk = 64;
 constexpr int64_t kMinSplit = 256;  // below this a KV part costs less than its merge
 constexpr int64_t kTiledRows = 8;   // rows from which transposing a chunk of K pays for itself
@@ -366,6 +423,7 @@ struct Merge {
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kt, vf, part;
   std::vector<uint32_t> qp, kp;  // bf16 queries and transposed K as pairs along the head dimension
+  std::vector<uint16_t> pb;      // a chunk's probabilities in bf16, for the AMX product with V
   std::vector<const void*> krow, vrow, vrow_f;
 };
 
@@ -378,6 +436,18 @@ struct Attention {
   int64_t max_blocks, block_size, group, head_dim;
   float scale;
   float *p_acc, *p_m, *p_l;  // partial results of split items: [rows, D], [rows], [rows]
+  // Prefill tiles score and accumulate on AMX (bf16 pair products, float32 sums in the tile unit), where the
+  // CPU has it; their queries come kAmxQueryTile at a time.
+  bool amx_tiles;
+
+  bool amx_possible() const {
+#if defined(__AVX512BF16__)
+    return kPairDot && std::is_same_v<T, c10::BFloat16> && head_dim % 32 == 0 && head_dim <= 2 * kMaxPairs &&
+           amx_wanted.load(std::memory_order_relaxed) && amx_supported();
+#else
+    return false;
+#endif
+  }
 
   // Position in the context of the sequence's query token i.
   int64_t pos(int64_t seq, int64_t i) const {
@@ -395,12 +465,7 @@ struct Attention {
                        (tiled ? D % 2 == 0 && D <= 2 * kMaxPairs : D % kRowPairs == 0 && D <= kRowPairs * kRowVecs);
     // V on pairs too (accumulate_pairs) where the head size is whole vectors of them.
     const bool v_pairs = pairs && D % 32 == 0;
-#if defined(__AVX512BF16__)
-    // Prefill tiles score on AMX tiles where there are any (the same pair products, summed by the tile unit).
-    const bool amx = pairs && tiled && D % 32 == 0 && amx_wanted.load(std::memory_order_relaxed) && amx_supported();
-#else
-    constexpr bool amx = false;
-#endif
+    const bool amx = amx_tiles && tiled;
     uint32_t* QP = sc.qp.data();
     for (int64_t i = 0; i < n_q; ++i) {
       for (int64_t g = 0; g < group; ++g) {
@@ -432,6 +497,9 @@ struct Attention {
     float *Kt = sc.kt.data(), *Vf = sc.vf.data();
     const float** vrow_f = reinterpret_cast<const float**>(sc.vrow_f.data());
 
+#if defined(__AVX512BF16__)
+    if (amx) amx_begin();
+#endif
     for (int64_t c0 = it.kv_begin; c0 < kv_hi; c0 += kChunk) {
       const int64_t cn = std::min(kChunk, kv_hi - c0);
       for (int64_t j = 0; j < cn; ++j) {
@@ -451,19 +519,19 @@ struct Attention {
         const int64_t cols = std::min(kChunk, (cn + 4 * W - 1) / (4 * W) * (4 * W));
         if (pairs) {
           uint32_t* Kp = sc.kp.data();
-          for (int64_t j = 0; j < cn; ++j) {
-            uint32_t row[kMaxPairs];
-            std::memcpy(row, krow[j], D * sizeof(T));
-            for (int64_t dp = 0; dp < D / 2; ++dp) Kp[dp * kChunk + j] = row[dp];
+          if (amx) {
+            transpose_pairs(krow, cn, cols, Kp);
+          } else {
+            for (int64_t j = 0; j < cn; ++j) {
+              uint32_t row[kMaxPairs];
+              std::memcpy(row, krow[j], D * sizeof(T));
+              for (int64_t dp = 0; dp < D / 2; ++dp) Kp[dp * kChunk + j] = row[dp];
+            }
+            for (int64_t dp = 0; dp < D / 2; ++dp) std::fill(Kp + dp * kChunk + cn, Kp + dp * kChunk + cols, 0u);
           }
-          for (int64_t dp = 0; dp < D / 2; ++dp) std::fill(Kp + dp * kChunk + cn, Kp + dp * kChunk + cols, 0u);
 #if defined(__AVX512BF16__)
           if (amx) {  // every row's scores at once; rows past R (to a whole tile) land in unused score rows
-            amx_scores(QP, Kp, S, (R + 15) / 16 * 16, cols, D, kChunk, kChunk);
-            const vf vs = vset1(scale);
-            for (int64_t r = 0; r < R; ++r) {
-              for (int64_t j = 0; j < cols; j += W) vstore(S + r * kChunk + j, vmul(vload(S + r * kChunk + j), vs));
-            }
+            amx_scores(QP, Kp, S, (R + 15) / 16 * 16, cols, D, kChunk, kChunk);  // unscaled: see softmax_bf16
           }
 #endif
         } else {
@@ -473,7 +541,9 @@ struct Attention {
             std::fill(dst + cn, dst + cols, 0.f);  // scored, never used: keep them finite
           }
         }
-        if (v_pairs) {  // V interleaved once per chunk for accumulate_pairs: every tile of rows reads it
+        if (amx) {  // V as AMX pairs (positions 2 jp, 2 jp + 1 of each dimension), zero past the chunk
+          vnni_pairs(vrow, cn, (cn + 31) / 32 * 32, reinterpret_cast<uint32_t*>(Vf));
+        } else if (v_pairs) {  // V interleaved once per chunk for accumulate_pairs: every tile of rows reads it
           uint32_t* Vp = reinterpret_cast<uint32_t*>(Vf);
           for (int64_t jp = 0; jp < (cn + 1) / 2; ++jp) {
             for (int64_t d = 0; d < D; d += 32) {
@@ -512,9 +582,22 @@ struct Attention {
         }
         continue;
       }
+#if defined(__AVX512BF16__)
+      if (amx) {
+        // Every row's softmax step, its probabilities in bf16 (zero past what the row sees, and in the rows
+        // past R that fill the last tile), then P V for all rows on the tiles, into the accumulators.
+        const int64_t rows16 = (R + 15) / 16 * 16, cols32 = (cn + 31) / 32 * 32;
+        uint16_t* Pb = sc.pb.data();
+        for (int64_t r = 0; r < rows16; ++r) {
+          softmax_bf16(S + r * kChunk, r < R ? visible(r) : 0, cols32, M[r], L[r], acc + r * D, Pb + r * kChunk);
+        }
+        amx_pv(Pb, reinterpret_cast<const uint32_t*>(Vf), acc, rows16, cols32, D, kChunk);
+        continue;
+      }
+#endif
       // kTileRows rows at a time. A tile's last rows may be fewer: the missing ones are scored from a real
       // row into spare score rows, weigh nothing and accumulate into spare accumulators (sc holds both).
-      const int64_t spare = kQueryTile * group;
+      const int64_t spare = R;  // rows from R on are free (the buffers hold kTileRows more than a tile's rows)
       for (int64_t r = 0; r < R; r += kTileRows) {
         const int64_t nr = std::min(kTileRows, R - r);
         int64_t n_vis[kTileRows];
@@ -557,6 +640,9 @@ struct Attention {
       }
     }
 
+#if defined(__AVX512BF16__)
+    if (amx) amx_end();
+#endif
     if (it.partial >= 0) {
       std::memcpy(p_acc + it.partial * D, acc, R * D * sizeof(float));
       std::memcpy(p_m + it.partial, M, R * sizeof(float));
@@ -776,6 +862,77 @@ struct Attention {
 #endif
   }
 
+  // The chunk's K rows [0, n) as pairs along the head dimension, transposed: dst[dp * kChunk + j] holds dims
+  // 2 dp, 2 dp + 1 of position j, for j < cols (a multiple of 16; zero from n on) and D a multiple of 32.
+  // Sixteen positions by sixteen pairs at a time, transposed in registers.
+  void transpose_pairs(const T* const* krow, int64_t n, int64_t cols, uint32_t* dst) const {
+#if defined(__AVX512BF16__)
+    for (int64_t j0 = 0; j0 < cols; j0 += 16) {
+      for (int64_t dp0 = 0; dp0 < head_dim / 2; dp0 += 16) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          r[i] = j0 + i < n ? _mm512_loadu_si512(reinterpret_cast<const uint32_t*>(krow[j0 + i]) + dp0)
+                            : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int64_t i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (dp0 + i) * kChunk + j0, r[i]);
+      }
+    }
+#else
+    (void)krow, (void)n, (void)cols, (void)dst;
+#endif
+  }
+
+#if defined(__AVX512F__)
+  // r[i] = column i of the 16 x 16 matrix of 32-bit values whose rows were r[0..16): pairs of rows interleaved,
+  // then pairs of pairs, then the 128-bit lanes (each holding one column's four rows of a group) put in place.
+  static void transpose16(__m512i* r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; ++g) {  // u[4 g + m], lane k: column 4 k + m of rows 4 g .. 4 g + 3
+      u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+      u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+      u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    for (int m = 0; m < 4; ++m) {
+      const __m512i a = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), b = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+      const __m512i c = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+      const __m512i d = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+      r[m] = _mm512_shuffle_i32x4(a, c, 0x88);
+      r[4 + m] = _mm512_shuffle_i32x4(a, c, 0xDD);
+      r[8 + m] = _mm512_shuffle_i32x4(b, d, 0x88);
+      r[12 + m] = _mm512_shuffle_i32x4(b, d, 0xDD);
+    }
+  }
+#endif
+
+  // The chunk's V rows [0, n) as AMX pairs for amx_pv: dst[jp * D + d] holds dimension d of positions 2 jp
+  // (low half) and 2 jp + 1, for jp < cols / 2; positions from n on are zero.
+  void vnni_pairs(const T* const* vrow, int64_t n, int64_t cols, uint32_t* dst) const {
+#if defined(__AVX512BF16__)
+    const int64_t D = head_dim;
+    for (int64_t jp = 0; jp < cols / 2; ++jp) {
+      const T* v0 = 2 * jp < n ? vrow[2 * jp] : nullptr;
+      const T* v1 = 2 * jp + 1 < n ? vrow[2 * jp + 1] : nullptr;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i x = v0 != nullptr ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
+        const __m512i y = v1 != nullptr ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+        // unpacklo/hi pair dims 0-3 and 4-7 of each 128-bit lane; the shuffles put the lanes back in order.
+        const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+        const __m512i t0 = _mm512_shuffle_i32x4(lo, hi, 0x44), t1 = _mm512_shuffle_i32x4(lo, hi, 0xEE);
+        _mm512_storeu_si512(dst + jp * D + d, _mm512_shuffle_i32x4(t0, t0, 0xD8));
+        _mm512_storeu_si512(dst + jp * D + d + 16, _mm512_shuffle_i32x4(t1, t1, 0xD8));
+      }
+    }
+#else
+    (void)vrow, (void)n, (void)cols, (void)dst;
+#endif
+  }
+
   // V rows 2 jp and 2 jp + 1 of a chunk interleaved for accumulate_pairs, straight from the pool.
   static void interleave(const T* const* vrow, int64_t n, int64_t jp, int64_t d, pairvec& lo, pairvec& hi) {
 #if defined(__AVX512BF16__)
@@ -819,6 +976,45 @@ struct Attention {
       vsum = vadd(vsum, vload_part(s + whole, rest, 0.f));
     }
     l += vhsum(vsum);
+  }
+
+  // softmax_step for the AMX path, from unscaled scores s[0..n) (the scale applied in the exponent), into
+  // bf16 probabilities p[0..cols) (cols a multiple of 32; zero from n on, all zero for n <= 0) in one pass.
+  void softmax_bf16(const float* s, int64_t n, int64_t cols, float& m, float& l, float* acc_row,
+                    uint16_t* p) const {
+#if defined(__AVX512BF16__)
+    if (n <= 0) {
+      std::fill(p, p + cols, uint16_t{0});
+      return;
+    }
+    auto below = [](int64_t k) -> __mmask16 { return k >= 16 ? 0xFFFF : k <= 0 ? 0 : (1u << k) - 1; };
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512 vm = neg_inf;
+    for (int64_t j = 0; j < n; j += 16) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(neg_inf, below(n - j), s + j));
+    const float mx = _mm512_reduce_max_ps(vm) * scale;  // scale > 0: the max of the scaled scores
+    if (mx > m) {
+      const float alpha = std::exp(m - mx);  // 0 on the first chunk (m = -inf)
+      l *= alpha;
+      if (alpha != 0.f) scale_row(acc_row, alpha);
+      m = mx;
+    }
+    const __m512 vs = _mm512_set1_ps(scale), vneg_m = _mm512_set1_ps(-m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < cols; j += 32) {
+      __m512 e[2];
+      for (int h = 0; h < 2; ++h) {
+        const __mmask16 k = below(n - j - 16 * h);
+        e[h] = k == 0 ? _mm512_setzero_ps()
+                      : _mm512_maskz_mov_ps(k, vexp(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, s + j + 16 * h), vs,
+                                                                     vneg_m)));
+        vsum = _mm512_add_ps(vsum, e[h]);
+      }
+      _mm512_storeu_si512(p + j, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e[1], e[0])));
+    }
+    l += _mm512_reduce_add_ps(vsum);
+#else
+    (void)s, (void)n, (void)cols, (void)m, (void)l, (void)acc_row, (void)p;
+#endif
   }
 
   // s[i][0..n) = q[i] . K[j] for K transposed [D, kChunk], for kTileRows rows: four vectors of positions
@@ -992,13 +1188,15 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
   a.max_blocks = tables.size(1), a.block_size = k_cache.size(1);
   a.group = query.size(1) / num_kv_heads, a.head_dim = query.size(2);
   a.scale = static_cast<float>(scale);
+  a.amx_tiles = a.amx_possible();
+  const int64_t q_tile = a.amx_tiles ? kAmxQueryTile : kQueryTile;
 
   // Tiles, then (if threads would idle) KV parts.
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t n_q = a.starts[s + 1] - a.starts[s];
-    for (int64_t q0 = 0; q0 < n_q; q0 += kQueryTile) {
-      const int64_t q1 = std::min(n_q, q0 + kQueryTile);
+    for (int64_t q0 = 0; q0 < n_q; q0 += q_tile) {
+      const int64_t q1 = std::min(n_q, q0 + q_tile);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t kv_end = a.pos(s, q1 - 1) + 1;
         items.push_back({int32_t(s), int32_t(h), int32_t(q0), int32_t(q1), 0, int32_t(kv_end), -1,
@@ -1052,18 +1250,22 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
   // decode step's attention). With few tiles, one item at a time keeps every
   // thread busy (a single decode's three heads would otherwise all go to one thread).
   const int64_t n_items = items.size();
-  const int64_t per_grab = merges.empty() && n_items >= 8 * threads * num_kv_heads ? num_kv_heads : 1;
+  // AMX tiles are few and large, and balance better one at a time.
+  const bool amx_items = a.amx_tiles && n_items > 0 && (items[0].q_end - items[0].q_begin) * a.group >= kTiledRows;
+  const int64_t per_grab =
+      merges.empty() && !amx_items && n_items >= 8 * threads * num_kv_heads ? num_kv_heads : 1;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
     // Per OpenMP thread, kept between calls: a step calls this once per layer, and fresh buffers would be
     // allocated and zero-filled every time.
     static thread_local Scratch sc;
-    const int64_t rows = kQueryTile * a.group;
+    const int64_t rows = q_tile * a.group;
     sc.q.resize(rows * a.head_dim);
     sc.acc.resize((rows + kTileRows) * a.head_dim);  // + the spare rows of a tile's short last group
     sc.s.resize((rows + kTileRows) * kChunk);
     sc.qp.resize(rows * a.head_dim / 2);
     sc.kp.resize(kMaxPairs * kChunk);
+    sc.pb.resize((rows + 16) * kChunk);
     sc.m.resize(rows);
     sc.l.resize(rows);
     sc.krow.resize(kChunk);
