@@ -75,8 +75,25 @@ def test_a_txt_record_is_read_from_its_header_and_last_json_line() -> None:
 def test_a_json_record_is_read_from_its_fields() -> None:
     r = ri.parse("serving_vs_vllm", "avx2-fp32", "x/record.json", _serving_record("20261203T040715Z", 1.4))
     assert (r.date, r.commit, r.cpu) == ("2026-12-03 04:07", "abc1234", "AMD EPYC")
-    assert ri.figures(r)[:2] == [("chatsvc / vLLM output tok/s, 32 chats", "1.40×"),
+    assert ri.figures(r)[:2] == [("chatsvc / vLLM output tok/s; TTFT p50, 32 chats", "1.40×; 0.69×"),
                                  ("chatsvc / vLLM output tok/s, 32 chats", "1.40× (700.0 / 500.0 tok/s)")]
+
+
+def test_the_serving_headline_names_every_workload_with_its_ttft() -> None:
+    """README's row for a serving record: each workload's tok/s ratio, then each one's TTFT p50 ratio (the
+    first-token figure a chat user feels), in the record's order of 32, 64, multi-turn, persona."""
+    final = json.loads(_serving_record("20261206T030930Z", 1.2))
+    w = final["final"]["workload_32"]
+    final["final"] |= {"workload_64": {**w, "ratio": 1.1}, "workload_b": {**w, "ratio": 1.05, "ours_ttft_p50": 1300.0},
+                       "workload_c": {**w, "ratio": 1.3, "ours_ttft_p50": None}}
+    r = ri.parse("serving_vs_vllm", "amx-bf16", "x/record.json", json.dumps(final))
+    assert ri.figures(r)[0] == ("chatsvc / vLLM output tok/s; TTFT p50, 32 / 64 / multi-turn / persona",
+                                "1.20× / 1.10× / 1.05× / 1.30×; 0.69× / 0.69× / 1.00× / n/a")
+    del final["final"]["workload_b"], final["final"]["workload_c"]
+    for key in ("32", "64"):
+        final["final"][f"workload_{key}"]["ours_ttft_p50"] = None  # a record without the latencies
+    r = ri.parse("serving_vs_vllm", "amx-bf16", "x/record.json", json.dumps(final))
+    assert ri.figures(r)[0] == ("chatsvc / vLLM output tok/s, 32 / 64 chats", "1.20× / 1.10×")
 
 
 def test_records_are_found_by_benchmark_and_class(tmp_path: Path) -> None:
