@@ -168,6 +168,12 @@ def _serving(f: dict[str, Any]) -> list[tuple[str, str]]:
             continue
         rows.append((f"chatsvc / vLLM output tok/s, {what}",
                      f"{_x(w.get('ratio'))} ({_n(w.get('ours_tok_s'))} / {_n(w.get('vllm_tok_s'))} tok/s)"))
+        if w.get("ours_ttft_p99") is not None:  # records from before it was summarized have p50 only
+            rows.append((f"TTFT p50 / TTFT p99 / TPOT p50 ms, {what}, chatsvc vs vLLM",
+                         f"{_n(w.get('ours_ttft_p50'), 0)} / {_n(w.get('ours_ttft_p99'), 0)} / "
+                         f"{_n(w.get('ours_tpot_p50'))} vs {_n(w.get('vllm_ttft_p50'), 0)} / "
+                         f"{_n(w.get('vllm_ttft_p99'), 0)} / {_n(w.get('vllm_tpot_p50'))}"))
+            continue
         rows.append((f"TTFT p50 / TPOT p50 ms, {what}, chatsvc vs vLLM",
                      f"{_n(w.get('ours_ttft_p50'), 0)} / {_n(w.get('ours_tpot_p50'))} vs "
                      f"{_n(w.get('vllm_ttft_p50'), 0)} / {_n(w.get('vllm_tpot_p50'))}"))

@@ -46,7 +46,7 @@ It installs what is missing outside the project's environment (vLLM in ~/.cache/
 converted to an HF directory in ~/.cache/chatsvc/smollm2-135m-instruct-hf). ``--quick`` shrinks every workload
 to 4 chats x 16 tokens: it checks the plumbing and measures nothing. Last line: one JSON object
 {"workload_32": {"ours_tok_s", "vllm_tok_s", "ratio", "ratio_rounds", "ours_ttft_p50", "vllm_ttft_p50",
-"ours_tpot_p50", "vllm_tpot_p50", ...}, "workload_64": {...}, "served_over_offline", "rounds", "cpu", "isa",
+"ours_ttft_p99", "vllm_ttft_p99", "ours_tpot_p50", "vllm_tpot_p50", ...}, "workload_64": {...}, "served_over_offline", "rounds", "cpu", "isa",
 "cores", "commit", ...} (latencies in ms; each field the median over rounds).
 """
 
@@ -507,6 +507,8 @@ def workload_summary(results: dict[str, dict[str, Any]], key: str) -> dict[str, 
         "ours_tok_s": r(ours), "vllm_tok_s": r(vllm), "ratio": ratio(ours, vllm),
         "ours_ttft_p50": r(pick(results, "ours", key, "ttft_ms", "p50")),
         "vllm_ttft_p50": r(pick(results, "vllm", key, "ttft_ms", "p50")),
+        "ours_ttft_p99": r(pick(results, "ours", key, "ttft_ms", "p99")),
+        "vllm_ttft_p99": r(pick(results, "vllm", key, "ttft_ms", "p99")),
         "ours_tpot_p50": r(pick(results, "ours", key, "tpot_ms", "p50"), 2),
         "vllm_tpot_p50": r(pick(results, "vllm", key, "tpot_ms", "p50"), 2),
         "ours_ttft_mean": r(pick(results, "ours", key, "ttft_ms", "mean")),
@@ -728,13 +730,15 @@ def main() -> int:
           + ", ".join(f"{fmt(sv)} / {fmt(of)} = {fmt(r, 3)}" for sv, of, r in zip(served_rounds, offline_tok_s, so_rounds,
                                                                                   strict=False))
           + f"; median {fmt(served_over_offline, 3)}",
-          "", "| workload | ours / vLLM tok/s, median (rounds) | TTFT p50 ours / vLLM ms | TPOT p50 ours / vLLM ms |",
-          "|---|---:|---:|---:|"]
+          "", "| workload | ours / vLLM tok/s, median (rounds) | TTFT p50 ours / vLLM ms | TTFT p99 ours / vLLM ms "
+          "| TPOT p50 ours / vLLM ms |",
+          "|---|---:|---:|---:|---:|"]
     for k in keys:
         w = final[f"workload_{k}"]
         md.append(f"| {k}: {WORKLOADS[k]['title']} | **{fmt(w['ratio'], 2)}x** "
                   f"({', '.join(fmt(x, 2) for x in w['ratio_rounds'])}) | {fmt(w['ours_ttft_p50'], 0)} / "
-                  f"{fmt(w['vllm_ttft_p50'], 0)} | {fmt(w['ours_tpot_p50'])} / {fmt(w['vllm_tpot_p50'])} |")
+                  f"{fmt(w['vllm_ttft_p50'], 0)} | {fmt(w['ours_ttft_p99'], 0)} / {fmt(w['vllm_ttft_p99'], 0)} | "
+                  f"{fmt(w['ours_tpot_p50'])} / {fmt(w['vllm_tpot_p50'])} |")
     md.append("")
     if busy:
         md.insert(2, f"**WARNING: the machine was busy (1-min load > {machine.BUSY_LOAD}) before: {', '.join(busy)}. "

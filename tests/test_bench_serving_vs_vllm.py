@@ -73,3 +73,16 @@ def test_a_server_may_take_its_stop_time_before_it_is_killed(tmp_path: Path, sto
     with svv.server(cmd, {}, f"http://127.0.0.1:{port}/ready", tmp_path / "log", 30, stop_timeout_s=stop_timeout_s):
         pass
     assert marker.exists() is flushed
+
+
+def test_a_workload_summary_carries_ttft_p50_and_p99_of_both_servers() -> None:
+    """The record's summary names the first-token latency at the median and the tail, beside tok/s."""
+    def run(tok_s: float, p50: float, p99: float) -> dict[str, object]:
+        return {"output_tok_s": tok_s, "ttft_ms": {"mean": p50, "p50": p50, "p99": p99}, "tpot_ms": {"p50": 40.0},
+                "itl_ms": {"p50": 38.0}}
+
+    results = {"ours": {"32": run(700.0, 500.0, 900.0)}, "vllm": {"32": run(500.0, 700.0, 1200.0)}}
+    summary = svv.workload_summary(results, "32")
+    assert summary["ratio"] == 1.4
+    assert (summary["ours_ttft_p50"], summary["ours_ttft_p99"]) == (500.0, 900.0)
+    assert (summary["vllm_ttft_p50"], summary["vllm_ttft_p99"]) == (700.0, 1200.0)

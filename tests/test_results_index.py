@@ -209,3 +209,11 @@ def test_the_papers_records_give_one_row_per_figure_with_the_papers_ratio(tmp_pa
     assert "n=2" in rows[2] and "**1.25×**" in rows[2]
     assert "**1.10× / 1.20× / 1.30×**" in rows[3]
     assert ri.readme_table([], papers).count("| Paper: latency vs rate |") == 4
+
+
+def test_a_serving_record_with_ttft_p99_shows_it_beside_p50() -> None:
+    final = json.loads(_serving_record("20261206T030930Z", 1.4))
+    final["final"]["workload_32"] |= {"ours_ttft_p99": 1500.0, "vllm_ttft_p99": 2500.0}
+    r = ri.parse("serving_vs_vllm", "amx-bf16", "x/record.json", json.dumps(final))
+    assert ("TTFT p50 / TTFT p99 / TPOT p50 ms, 32 chats, chatsvc vs vLLM",
+            "900 / 1,500 / 37.0 vs 1,300 / 2,500 / 49.0") in ri.figures(r)
