@@ -400,10 +400,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_pv(const uint16_t* P, cons
 constexpr int64_t kQueryTile = 32;
 // Query tokens of a tile scored on AMX: each chunk's K and V are rearranged for the tiles once per work item,
 // so larger tiles spread that over more rows (a multiple of 16, so every tile's rows fill whole AMX tiles).
-#ifndef AMX_QUERY_TILE
-#define AMX_QUERY_TILE 128
-#endif
-constexpr int64_t kAmxQueryTile = AMX_QUERY_TILE;
+constexpr int64_t kAmxQueryTile = 128;
 constexpr int64_t kChunk = 64;
 constexpr int64_t kMinSplit = 256;  // below this a KV part costs less than its merge
 constexpr int64_t kTiledRows = 8;   // rows from which transposing a chunk of K pays for itself
