@@ -245,12 +245,16 @@ inline bool vany_nan(vf a) {
 #endif
 }
 
-// Into every cache level (prefetcht0), not L2 only (prefetcht2): the rows are read within microseconds, so
-// keeping them out of L1 spares nothing and leaves the read waiting on one more fill
-// (benchmarks/cpu_attention.py --base compares a build with the other hint).
+// Locality 3 (prefetcht0, every level) for a prefill tile's rows: they are read within microseconds, and
+// keeping them out of L1 leaves each read waiting on one more fill. Locality 1 (prefetcht2, into L2) for a
+// decode's rows: a decode step streams the whole KV pool once and is bound by how many misses are in
+// flight, and a request that need not hold an L1 fill buffer until its line arrives leaves those buffers
+// to the loads; decode steps of the engine are 2-4% faster for it on an AMX Xeon (the kernel alone, one
+// problem in a warm pool, shows no such gain: see benchmarks/cpu_attention.py's "step" case).
+template <int Locality = 3>
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, Locality);
 }
 
 // ---- AMX tiles (bf16 prefill scores) -------------------------------------------------------------------
@@ -509,8 +513,12 @@ struct Attention {
         // queue behind V rows not needed yet, and the V requests overlap the scoring. (Requesting a decode's
         // V here too, the next chunk's rows during this one's work, or its K during V, all put requests
         // ahead of the rows needed first, and decode steps are slower for it.)
-        prefetch(krow[j], D * static_cast<int64_t>(sizeof(T)));
-        if (tiled) prefetch(vrow[j], D * static_cast<int64_t>(sizeof(T)));
+        if (tiled) {
+          prefetch(krow[j], D * static_cast<int64_t>(sizeof(T)));
+          prefetch(vrow[j], D * static_cast<int64_t>(sizeof(T)));
+        } else {
+          prefetch<1>(krow[j], D * static_cast<int64_t>(sizeof(T)));
+        }
       }
       if (tiled) {
         const int64_t cols = std::min(kChunk, (cn + 4 * W - 1) / (4 * W) * (4 * W));
@@ -671,7 +679,7 @@ struct Attention {
       const int64_t m = std::min<int64_t>(W, n - j0);
       for (int64_t jj = 0; jj < m; ++jj) {
         const T* k = krow[j0 + jj];
-        if (vrow_ask != nullptr) prefetch(vrow_ask[j0 + jj], D * static_cast<int64_t>(sizeof(T)));
+        if (vrow_ask != nullptr) prefetch<1>(vrow_ask[j0 + jj], D * static_cast<int64_t>(sizeof(T)));
         vf a[NR];
         for (int i = 0; i < NR; ++i) a[i] = vzero();
         int64_t d = 0;
@@ -710,7 +718,7 @@ struct Attention {
       const int64_t m = std::min<int64_t>(W, n - j0);
       for (int64_t jj = 0; jj < m; ++jj) {
         const T* k = krow[j0 + jj];
-        if (vrow_ask != nullptr) prefetch(vrow_ask[j0 + jj], head_dim * static_cast<int64_t>(sizeof(T)));
+        if (vrow_ask != nullptr) prefetch<1>(vrow_ask[j0 + jj], head_dim * static_cast<int64_t>(sizeof(T)));
         vf a[NR];
         for (int i = 0; i < NR; ++i) a[i] = vzero();
         for (int64_t b = 0; b < nv; ++b) {
