@@ -155,7 +155,11 @@ def test_chat_api_answers(llm: LLM) -> None:
 
 def test_bfloat16_logprobs_track_float32(llm: LLM, prompts: list[list[int]]) -> None:
     """bfloat16 (the fast CPU path) is not bit-exact, but its next-token distribution must stay close:
-    the float32 choice is among bfloat16's top 2 and most of the top 5 agree."""
+    the float32 choice is among bfloat16's top 2 and most of the top 5 agree.
+
+    Ranks count ties as equal: bfloat16 logits near 20 are 0.125 apart, so tokens that float32 puts within
+    a few hundredths of each other often tie exactly in bfloat16, and which of them comes first then is
+    the order of the tie, not of the model."""
     bf16 = LLM(dtype="bfloat16", num_kv_blocks=128)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     for ids in prompts:
@@ -164,7 +168,8 @@ def test_bfloat16_logprobs_track_float32(llm: LLM, prompts: list[list[int]]) -> 
         assert ref.logprobs is not None and got.logprobs is not None
         ref_top = sorted(ref.logprobs[0], key=ref.logprobs[0].__getitem__, reverse=True)[:5]
         got_top = sorted(got.logprobs[0], key=got.logprobs[0].__getitem__, reverse=True)[:5]
-        assert ref_top[0] in got_top[:2]
+        above = [t for t in got_top if got.logprobs[0][t] > got.logprobs[0].get(ref_top[0], -99.0)]
+        assert len(above) < 2, (ref.logprobs[0], got.logprobs[0])
         assert len(set(ref_top) & set(got_top)) >= 3
         assert abs(ref.logprobs[0][ref_top[0]] - got.logprobs[0].get(ref_top[0], -99.0)) < 0.3
 
