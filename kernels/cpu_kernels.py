@@ -30,6 +30,7 @@ import functools
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -236,9 +237,27 @@ class CpuKernels:
         return stack
 
 
-__all__ = ["ISAS", "CpuKernels", "load_extension", "selected_isa", "supported_isas", "testable_isas"]
+__all__ = ["ISAS", "CpuKernels", "build_all", "load_extension", "selected_isa", "supported_isas", "testable_isas"]
 
 
-if __name__ == "__main__":  # `python -m kernels.cpu_kernels [ISA...]`: build now (scripts/setup.sh does)
+def build_all(names: Sequence[str]) -> int:
+    """Build each ISA's kernels in a process of its own, side by side (one compiler each), printing a
+    ``built PATH`` line per build in the order given; returns how many failed (their output goes to stderr)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "kernels.cpu_kernels", name], stdout=subprocess.PIPE,
+                              text=True, cwd=Path(__file__).resolve().parent.parent) for name in names]
+    failed = 0
+    for proc in procs:
+        out, _ = proc.communicate()
+        print(out, end="", flush=True)
+        failed += proc.returncode != 0
+    return failed
+
+
+if __name__ == "__main__":
+    # `python -m kernels.cpu_kernels [ISA...]`: build now. `--testable`: the selected build first, then the
+    # others the tests cover on this CPU (scripts/setup.sh builds them, so no test waits on a compiler).
+    if sys.argv[1:] == ["--testable"]:
+        first = selected_isa()
+        sys.exit(build_all([first, *(i for i in testable_isas() if i != first)]))
     for name in sys.argv[1:] or [selected_isa()]:
         print(f"built {load_extension(name).__file__}")

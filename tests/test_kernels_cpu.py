@@ -383,3 +383,14 @@ def test_a_given_extension_is_used_as_it_is(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cpu_kernels, "load_extension", lambda isa=None: pytest.fail("loaded an extension"))
     kern = cpu_kernels.CpuKernels(ext=ext)
     assert kern.ext is ext and kern.ops.silu_and_mul == kern.silu_and_mul
+
+
+def test_build_all_builds_each_isa_in_its_own_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """What scripts/setup.sh runs (``--testable``): a ``built`` line per ISA in the order given, and a count of
+    the builds that failed, here an ISA no build has."""
+    isas = cpu_kernels.testable_isas()
+    assert cpu_kernels.build_all(isas) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("/")[-1] for line in lines] == [f"chatsvc_cpu_kernels_{isa}.so" for isa in isas]
+    assert all(line.startswith("built /") for line in lines)
+    assert cpu_kernels.build_all(["no-such-isa"]) == 1

@@ -31,9 +31,10 @@ STUB = textwrap.dedent("""\
       *"import ensurepip"*) exit "${STUB_NO_ENSUREPIP:-0}" ;;
       *Python.h*) exit "${STUB_NO_HEADERS:-0}" ;;
       *tomllib*) echo "torch==2.13.0" ;;
-      "venv-python -m kernels.cpu_kernels")
+      "venv-python -m kernels.cpu_kernels --testable")
         if [ -n "${STUB_BUILD_FAILS:-}" ]; then echo "c++: fatal error: Python.h: No such file" >&2; exit 1; fi
-        echo "built /cache/chatsvc_cpu_kernels_avx2/chatsvc_cpu_kernels_avx2.so" ;;
+        echo "built /cache/chatsvc_cpu_kernels_avx2/chatsvc_cpu_kernels_avx2.so"
+        echo "built /cache/chatsvc_cpu_kernels_generic/chatsvc_cpu_kernels_generic.so" ;;
     esac
     exit 0
     """)
@@ -95,7 +96,8 @@ def test_an_installed_machine_builds_nothing_and_names_the_kernels(sandbox: Path
     # chromium and tcmalloc are looked for at fixed paths, so this machine decides whether apt-get runs.
     assert not [c for c in run.called("apt-get") for p in BUILD_PACKAGES if f" {p}" in c]
     assert not run.called("venv-pip")
-    assert "C++ CPU kernels ready: /cache/chatsvc_cpu_kernels_avx2/chatsvc_cpu_kernels_avx2.so" in run.stderr
+    assert ("C++ CPU kernels ready: /cache/chatsvc_cpu_kernels_avx2/chatsvc_cpu_kernels_avx2.so"
+            " /cache/chatsvc_cpu_kernels_generic/chatsvc_cpu_kernels_generic.so\n") in run.stderr
 
 
 def test_a_stock_debian_gets_the_compiler_headers_and_venv(sandbox: Path) -> None:
