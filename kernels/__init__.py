@@ -11,7 +11,15 @@ import logging
 import torch
 
 from kernels import reference
-from kernels.backend import AttentionBackend, LayerStack, ModelOps, StackedLayer, StackShape, no_layer_stack
+from kernels.backend import (
+    AmxWeight,
+    AttentionBackend,
+    LayerStack,
+    ModelOps,
+    StackedLayer,
+    StackShape,
+    no_layer_stack,
+)
 
 REFERENCE_OPS = ModelOps(fused_add_rms_norm=reference.fused_add_rms_norm, silu_and_mul=reference.silu_and_mul,
                          rotary_embedding=reference.rotary_embedding)
@@ -63,5 +71,5 @@ def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> Atten
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")
 
 
-__all__ = ["REFERENCE_OPS", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "TorchBackend",
+__all__ = ["REFERENCE_OPS", "AmxWeight", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "TorchBackend",
            "get_backend", "reference"]

@@ -15,6 +15,19 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
+class AmxWeight:
+    """A projection's weight packed for a backend's AMX GEMM (``run(x, packed)``, bf16), which a decode's rows (up
+    to ``max_rows``) run on instead of oneDNN's: see kernels/csrc/cpu_kernels.cpp, amx_linear."""
+
+    packed: Tensor
+    run: Callable[[Tensor, Tensor], Tensor]
+    max_rows: int
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(x, self.packed)
+
+
+@dataclass(frozen=True)
 class ModelOps:
     """The elementwise ops of a decoder layer, fused (one pass over the rows, no temporaries) where the
     backend has kernels for them. Same semantics in every backend (float32 math inside for half types):
@@ -47,6 +60,10 @@ class StackedLayer:
     o_bias: Tensor | None = None
     gate_up_bias: Tensor | None = None
     down_bias: Tensor | None = None
+    qkv_amx: Tensor | None = None  # the projections packed for the backend's AMX GEMM too (AmxWeight.packed)
+    o_amx: Tensor | None = None
+    gate_up_amx: Tensor | None = None
+    down_amx: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -127,4 +144,4 @@ class AttentionBackend(Protocol):
         such kernel (``no_layer_stack``)."""
 
 
-__all__ = ["AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "no_layer_stack"]
+__all__ = ["AmxWeight", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "no_layer_stack"]

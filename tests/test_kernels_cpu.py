@@ -154,6 +154,39 @@ def test_bf16_prefill_with_and_without_amx_tiles(monkeypatch: pytest.MonkeyPatch
     _check(p, with_tiles, dtype)
 
 
+@pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="needs a CPU with AMX-BF16")
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 64, 100, 128])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (3072, 576), (64, 32)])
+def test_amx_linear_matches_the_oracle_and_onednn(gen: torch.Generator, rows: int, n: int, k: int) -> None:
+    """A decode's rows on AMX tiles: each output within a bf16 rounding of the float64 product, and of oneDNN's
+    (the same products, float32 sums in another order); row counts past whole tiles and strided inputs too."""
+    from engine.model.linear import pack_weight, packed_linear
+
+    ext = cpu_kernels.load_extension("avx512bf16")
+    assert ext.amx_linear_supported()
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 2 * k, generator=gen).to(torch.bfloat16)[:, ::2]  # strided rows
+    out = ext.amx_linear(x, ext.amx_pack_weight(weight))
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    ulp = exact.abs() * 2.0**-8 + 1e-4 * k**0.5  # half a bf16 step of the result, and float32 sums' error
+    assert ((out.double() - exact).abs() <= ulp).all()
+    onednn = packed_linear(x.contiguous(), pack_weight(weight), None)
+    assert ((out.double() - onednn.double()).abs() <= 2 * ulp).all()
+
+
+@pytest.mark.skipif("avx512bf16" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX512-BF16")
+def test_amx_linear_refuses_what_it_cannot_run() -> None:
+    ext = cpu_kernels.load_extension("avx512bf16")
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ext.amx_pack_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K inputs"):
+        ext.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16),
+                       ext.amx_pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16)))
+    backend = cpu_kernels.CpuKernels("avx512bf16")
+    assert backend.amx_weight(torch.zeros(32, 32)) is None  # float32 stays on oneDNN
+    assert (backend.amx_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None) == _cpu_has_amx_bf16()
+
 @pytest.mark.parametrize("block_size", [1, 2, 64, 128, 256])
 def test_every_block_size_the_paper_sweeps(isa: str, gen: torch.Generator, block_size: int) -> None:
     """The block sizes benchmarks/paper/block_size.py runs beyond the cases above: one token per block, and

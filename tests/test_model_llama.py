@@ -270,3 +270,20 @@ def test_the_layers_stay_modules_where_a_piece_has_no_cpp_form(tiny_dirs: dict[s
     assert lm.model.stack is None and lm.model.fuse_layers()
     if has_vnni():
         assert load_model(str(tiny_dirs["llama"]), quantization="int8").model.stack is None
+
+
+def test_bf16_projections_take_amx_tiles_for_a_decode_where_the_cpu_has_them(tiny_dirs: dict[str, Path]) -> None:
+    """Every bias-free projection and the LM head get an AMX pack in bf16 on a CPU with AMX (the C++ kernels),
+    none in float32; a projection with a bias (qwen2's Q/K/V) stays on oneDNN."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no native bf16 here: the linears are not packed")
+    for arch in ("llama", "qwen2"):
+        model = load_model(str(tiny_dirs[arch]), dtype=torch.bfloat16).model
+        ext = getattr(model.backend, "ext", None)
+        amx = ext is not None and bool(ext.amx_linear_supported())
+        for module in model.modules():
+            if isinstance(module, Linear):
+                assert (module.amx is not None) == (amx and module.bias is None)
+        assert (model.lm_head_amx is not None) == amx
+    model = load_model(str(tiny_dirs["llama"]), dtype=torch.float32).model
+    assert model.lm_head_amx is None and all(m.amx is None for m in model.modules() if isinstance(m, Linear))
