@@ -191,3 +191,14 @@ def test_the_slow_row_probe_runs_once_per_machine_and_model(tmp_path: Path, monk
     finally:
         torch.set_num_threads(threads)
     assert len(json.loads((tmp_path / "cache" / "gemm_probes.json").read_text())) == 2
+
+
+def test_no_slow_row_probe_where_a_decode_runs_on_the_amx_gemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU with AMX: a decode's rows take amx_linear, which has no slow row band to pad out of."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no native bf16 here: the linears are not packed")
+    monkeypatch.setenv("CHATSVC_CACHE_DIR", str(tmp_path / "cache"))
+    engine = LLMEngine.from_args(make_tiny_model_dir(tmp_path / "m"), dtype="bfloat16", num_kv_blocks=16)
+    amx = engine.runner.model.lm_head_amx is not None
+    assert amx == (" amx_bf16" in Path("/proc/cpuinfo").read_text())
+    assert (engine.runner.slow_rows is None) if amx else (tmp_path / "cache" / "gemm_probes.json").exists()
