@@ -236,6 +236,8 @@ def test_secret_rotation_keeps_owners_and_drops_the_old_tokens(redis_proc, tiny_
             assert got.status_code == 200 and [s["id"] for s in got.json()["data"]] == [sid], got.text
         path.write_text(new + "\n")  # step 2: the old secret dropped
         _wait_for(lambda: wrapped_for() == {fingerprint(new.encode())}, "old copy deleted")
+        # The reload deletes the old copy in Redis, then swaps the gateway's keys: the refusal follows it.
+        _wait_for(lambda: listed(live, old_token).status_code != 200, "old token refused")
         got = listed(live, old_token)
         assert (got.status_code, got.json()["error"]["code"]) == (401, "invalid_api_key")
         assert [s["id"] for s in listed(live, new_token).json()["data"]] == [sid]
