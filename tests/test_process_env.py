@@ -19,13 +19,16 @@ def test_tcmalloc_is_found_and_the_child_environment_is_set_only_around_the_star
     monkeypatch.setenv("LD_PRELOAD", "/y/libother.so")
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     env = child_environment("/x/libtcmalloc.so")
-    assert env == {"LD_PRELOAD": "/x/libtcmalloc.so:/y/libother.so", "GOMP_SPINCOUNT": ENGINE_SPINCOUNT}
+    assert env == {"LD_PRELOAD": "/x/libtcmalloc.so:/y/libother.so", "GOMP_SPINCOUNT": ENGINE_SPINCOUNT,
+                   "THP_MEM_ALLOC_ENABLE": "1"}
     with environ(env):
         assert os.environ["LD_PRELOAD"].split(":")[0] == "/x/libtcmalloc.so"
         assert os.environ["GOMP_SPINCOUNT"] == ENGINE_SPINCOUNT
     assert os.environ["LD_PRELOAD"] == "/y/libother.so" and "GOMP_SPINCOUNT" not in os.environ
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice is kept
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     assert child_environment(None) == {}
     monkeypatch.delenv("OMP_WAIT_POLICY")
     monkeypatch.setenv("GOMP_SPINCOUNT", "20000")  # so is a bounded spin
