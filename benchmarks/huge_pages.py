@@ -3,8 +3,8 @@
 Whether torch's transparent-huge-page allocator (``THP_MEM_ALLOC_ENABLE=1``: allocations of 2 MiB and more
 2 MiB-aligned and advised ``MADV_HUGEPAGE``) would make the engine faster. A decode step streams every
 weight (~270 MB in bf16) and reads KV blocks from all over the pool, tens of thousands of 4 KiB pages a
-step, so TLB misses were a suspect. The engine process sets the variable (``engine.process_env``): steps of
-64 sequences 3% faster on a 2-core AMX Xeon, level on a 2-core EPYC (benchmarks/results/huge_pages/). torch reads the variable at its first allocation, so each
+step, so TLB misses were a suspect. The engine process sets the variable (``engine.process_env``); the records
+per machine class are in benchmarks/results/huge_pages/. torch reads the variable at its first allocation, so each
 side is a process of its own (``THP_MEM_ALLOC_ENABLE=1`` vs ``=0``), both up together: each builds the engine (real
 model, dtype ``auto``) and brings the same ``rows`` sequences of 128 random prompt tokens to pure decode,
 then the two take turns one decode step at a time (``--steps`` each, the first of each pair alternating).

@@ -59,9 +59,8 @@ def child_environment(tcmalloc: str | None) -> dict[str, str]:
 
     THP_MEM_ALLOC_ENABLE=1: torch puts its allocations of 2 MiB and more (the KV pool, the packed weights) on
     transparent huge pages where the kernel allows them (``madvise``). A decode step reads KV blocks from all
-    over the pool, 2 KiB runs on thousands of pages; on a 2-core AMX Xeon, steps of 64 sequences ran 3% faster
-    and the multi-turn serving load 3% more tokens a second (benchmarks/results/huge_pages/,
-    serving_ab/); on a 2-core EPYC it measured level. An operator's own setting wins.
+    over the pool, 2 KiB runs on thousands of pages, and fewer TLB misses make it faster where the CPU feels
+    them (``benchmarks/huge_pages.py`` and ``serving_ab.py`` measure it). An operator's own setting wins.
     """
     env: dict[str, str] = {}
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:

@@ -92,6 +92,9 @@ async def test_greedy_tokens_equal_the_in_process_llm(engine: ProcessEngine) -> 
     assert engine.info.allocator.startswith("tcmalloc") == (find_tcmalloc() is not None)
     chosen = {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ)
     assert engine.info.omp_wait_policy == (omp_wait_policy() if chosen else f"GOMP_SPINCOUNT={ENGINE_SPINCOUNT}")
+    # And with torch's large allocations on huge pages, unless the operator set that too.
+    child_env = Path(f"/proc/{engine.pid}/environ").read_bytes().split(b"\0")
+    assert f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '1')}".encode() in child_env
 
 
 @pytest.mark.integration
