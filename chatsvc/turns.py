@@ -183,10 +183,11 @@ class TurnRegistry:
                         log.warning("turn %s lost its lock (recovered or deleted?)", at.request_id)
             for reader, (sid, turn) in list(self._holds.items()):
                 await self.store.hold_reader(sid, turn, reader, READER_LEASE_S)
-            if isinstance(self.engine, Adoptable):
+            adoptable = isinstance(self.engine, Adoptable)
+            if adoptable:
                 for sid, turn in await self.store.take_over_turns(skip=set(self.active)):
                     await self._take_over(sid, turn)
-            for sid in await self.store.recover_dead_turns(skip=set(self.active)):
+            for sid in await self.store.recover_dead_turns(skip=set(self.active), adoptable=adoptable):
                 log.warning("recovered the interrupted reply of session %s", sid)
         except RedisError as exc:
             log.warning("Redis unreachable for the turn keep-alive: %r", exc)

@@ -144,6 +144,25 @@ async def test_one_gateway_takes_over_each_running_turn_of_a_dead_one(store: Sto
     assert await store.recover_dead_turns() == []
 
 
+async def test_an_adopting_sweep_leaves_a_dead_holders_turn_to_the_take_over(store: Store) -> None:  # noqa: F811
+    # A gateway that hands its turns off steps down between another's take-over pass and its recovery pass
+    # in the same beat: that recovery must not cut the turn the next take-over pass would adopt.
+    leaving = Store(store.r, 60, 30, instance="gw-leaving")
+    await leaving.heartbeat()
+    await store.heartbeat()
+    s = await store.create_session("o", "p", "sys")
+    assert await leaving.begin_turn(s.id, {"role": "user", "content": "go on"}) == 1
+    assert await store.take_over_turns() == []  # read alive
+    await leaving.step_down()
+    assert await store.recover_dead_turns(adoptable=True) == []
+    assert await store.take_over_turns() == [(s.id, 1)]
+    assert await store.r.get(lock_key(s.id)) == store.lock_token(1)
+    # Without an engine to adopt it, the same sweep stores the turn as interrupted.
+    other = await store.create_session("o", "p", "sys")
+    assert await leaving.begin_turn(other.id, {"role": "user", "content": "cut"}) == 1
+    assert await store.recover_dead_turns() == [other.id]
+
+
 async def _turns(store: Store, sid: str, first: int, last: int, tokens: int = 10, size: int = 10) -> None:  # noqa: F811
     for turn in range(first, last + 1):
         assert await store.begin_turn(sid, {"role": "user", "content": f"u{turn}".ljust(size), "tokens": tokens}) == turn

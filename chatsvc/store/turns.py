@@ -379,9 +379,13 @@ class TurnStore(Liveness):
                     await self.r.srem(self.locks_key(), sid)
         return taken
 
-    async def recover_dead_turns(self, skip: Collection[str] = ()) -> list[str]:
+    async def recover_dead_turns(self, skip: Collection[str] = (), *, adoptable: bool = False) -> list[str]:
         """Recover every turn whose lock a dead instance holds (or held until it expired); the sessions
-        in ``skip`` (this process's running turns) are left alone. Returns the recovered session ids."""
+        in ``skip`` (this process's running turns) are left alone. Returns the recovered session ids.
+
+        ``adoptable``: this instance takes dead instances' turns over (:meth:`take_over_turns`), so a turn
+        whose lock another instance still holds, dead, is left to that sweep: an instance that stepped down
+        after this beat's take-over pass read it alive would otherwise have its handed-off turn cut here."""
         recovered: list[str] = []
         for name in await self.r.smembers(INSTANCES):
             locks = self.locks_key(name)
@@ -389,6 +393,8 @@ class TurnStore(Liveness):
                 if name == self.instance and sid in skip:
                     continue
                 lock, alive, holder = await self.lock_view(sid)
+                if adoptable and not alive and holder == name != self.instance:
+                    continue
                 res = int(await self._script(_RECOVER_LUA)(keys=_turn_keys(sid),
                                                            args=self._turn_args(sid, lock, alive)))
                 if res == 1:
