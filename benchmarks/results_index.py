@@ -335,6 +335,13 @@ def _huge_pages(f: dict[str, Any]) -> list[tuple[str, str]]:
             for rows, v in sorted(f.get("small_over_huge", {}).items(), key=lambda kv: int(kv[0]))]
 
 
+def _kv_layout(f: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = f.get("rows")
+    return [(f"decode attention, {rows} sequences x {ctx} tokens, {name} / lockstep", _x(v.get(name), 3))
+            for ctx, v in sorted(f.get("over_lockstep", {}).items(), key=lambda kv: int(kv[0]))
+            for name in ("contiguous", "random")]
+
+
 def _gemm_row_band(f: dict[str, Any]) -> list[tuple[str, str]]:
     return [("decode step of 32 sequences, padded to 33 rows / exact", _x(f.get("decode_padded_over_exact"), 3)),
             ("packed linears, 32 rows / 33 rows", _x(f.get("band_over_33"), 3))]
@@ -415,6 +422,10 @@ BENCHMARKS: dict[str, Benchmark] = {
         _tensor_parallel),
     "huge_pages": Benchmark(
         "Huge pages", "The decode step with torch's large allocations on 2 MiB vs 4 KiB pages.", _huge_pages),
+    "kv_layout": Benchmark(
+        "KV block layout", "Decode attention over the same sequences with their blocks in the pool in lockstep "
+        "(a fresh pool), contiguous per sequence, and at random (a long-running pool's reuse order).",
+        _kv_layout),
     "kernels_gpu": Benchmark(
         "Triton kernels on a GPU", "The Triton paged-attention and cache kernels checked against the float32 "
         "reference and timed against torch and a device-to-device copy.", _kernels_gpu),
