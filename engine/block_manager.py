@@ -178,14 +178,14 @@ class BlockManager:
         if self._needs_cow(seq, num_new_tokens):
             idx = seq.num_computed_tokens // self.block_size
             old = table[idx]
-            new = self.device.allocate().block_id
+            new = self.device.allocate(after=table[idx - 1] if idx else None).block_id
             self.device.decref(old)
             table[idx] = new
             self._changed(seq.seq_id, idx)
             copies.append((old, new))
         end = seq.num_computed_tokens + num_new_tokens
         while len(table) < self._blocks_for(max(end, reserve_tokens)):
-            table.append(self.device.allocate().block_id)
+            table.append(self.device.allocate(after=table[-1] if table else None).block_id)
         self._num_slots[seq.seq_id] = max(self._num_slots[seq.seq_id], end)
         self._cache_full_blocks(seq, end)
         return copies
@@ -282,8 +282,9 @@ class BlockManager:
 
     def _move(self, group: SequenceGroup, src: BlockPool, dst: BlockPool, to_cpu: bool) -> BlockPlan:
         mapping: dict[int, int] = {}
+        new: int | None = None
         for block_id, count in self._group_blocks(group).items():
-            new = dst.allocate().block_id
+            new = dst.allocate(after=new).block_id
             for _ in range(count - 1):
                 dst.incref(new)
             mapping[block_id] = new

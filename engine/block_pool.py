@@ -3,13 +3,19 @@
 Plain Python (no torch): the pool only does accounting. A block is either free (refcount 0)
 or referenced. Free blocks that hold a full, hashed block of tokens stay findable by hash
 until the pool needs a fresh block and evicts the least recently freed of them.
+
+Where a block lies in the pool decides how fast a decode step reads it: a sequence whose blocks follow
+one another is read in long runs the hardware prefetchers follow, one whose blocks lie at random is read
+a third slower (``benchmarks/kv_layout.py``). So a sequence's next block is one next to its last where
+that one is free and holds nothing likely to be hit again (never cached, or in the older half of the
+cached free blocks once no never-cached block is free); otherwise the free lists' order decides.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 
 
@@ -54,8 +60,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free_uncached: deque[int] = deque(range(num_blocks))
+        # Both free lists are ordered (first out first) and give up any member in O(1): a placement takes the
+        # block after a sequence's last one out of either.
+        self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
+        # When each cached free block was freed, counted in frees: how old it is among the cached free ones.
+        self._freed_at = [0] * num_blocks
+        self._frees = 0
         self._hash_to_block: dict[bytes, int] = {}
         # Cached blocks that ``allocate`` evicted, as (block id, hash, tokens), when a lower tier wants to keep
         # their KV (engine.kv_tiers drains it); None: nobody does, and nothing is recorded.
@@ -71,19 +82,51 @@ class BlockPool:
         return len(self._free_cached)
 
     # -- allocation ---------------------------------------------------------------------------
-    def allocate(self) -> Block:
-        if self._free_uncached:
-            block = self.blocks[self._free_uncached.popleft()]
+    def allocate(self, after: int | None = None) -> Block:
+        """A free block, referenced once. ``after``: the block it follows in a sequence's table; a block next to
+        that one is taken where one is free and cold (see the module's docstring)."""
+        nxt = self._next_to(after)
+        if nxt is not None:
+            block = self.blocks[nxt]
+            if nxt in self._free_uncached:
+                del self._free_uncached[nxt]
+            else:
+                del self._free_cached[nxt]
+                self._record_eviction(block)
+                self._evict(block)
+        elif self._free_uncached:
+            block = self.blocks[self._free_uncached.popitem(last=False)[0]]
         elif self._free_cached:
             block = self.blocks[self._free_cached.popitem(last=False)[0]]
-            if self.evictions is not None and block.block_hash is not None:
-                self.evictions.append((block.block_id, block.block_hash, block.token_ids))
+            self._record_eviction(block)
             self._evict(block)
         else:
             raise RuntimeError("block pool exhausted; callers must check num_free first")
         assert block.ref_count == 0
         block.ref_count = 1
         return block
+
+    def _next_to(self, after: int | None) -> int | None:
+        """A block next to ``after`` (above it, else below: the attention kernels read a run either way) that is
+        free and cold: never cached, or, when no never-cached block is free, ``_is_cold``. A freed table enters
+        the free lists last block first, so a table that starts on one follows it downwards."""
+        if after is None:
+            return None
+        for nxt in (after + 1, after - 1):
+            if not 0 <= nxt < self.num_blocks or self.blocks[nxt].ref_count != 0:
+                continue
+            if nxt in self._free_uncached or (not self._free_uncached and self._is_cold(nxt)):
+                return nxt
+        return None
+
+    def _is_cold(self, block_id: int) -> bool:
+        """Freed before at least half of the cached free blocks (their order of eviction, give or take the ones
+        taken out of it since): evicting it out of turn costs little."""
+        return self._frees - self._freed_at[block_id] >= len(self._free_cached) // 2
+
+    def _record_eviction(self, block: Block) -> None:
+        if self.evictions is not None and block.block_hash is not None:
+            self.evictions.append((block.block_id, block.block_hash, block.token_ids))
 
     def incref(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -92,7 +135,7 @@ class BlockPool:
             if block_id in self._free_cached:
                 del self._free_cached[block_id]
             else:
-                self._free_uncached.remove(block_id)
+                del self._free_uncached[block_id]
         block.ref_count += 1
 
     def decref(self, block_id: int) -> None:
@@ -103,8 +146,10 @@ class BlockPool:
         if block.ref_count == 0:
             if block.block_hash is not None:
                 self._free_cached[block_id] = None
+                self._frees += 1
+                self._freed_at[block_id] = self._frees
             else:
-                self._free_uncached.append(block_id)
+                self._free_uncached[block_id] = None
 
     # -- prefix cache -------------------------------------------------------------------------
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
@@ -132,12 +177,13 @@ class BlockPool:
         self._evict(block)
         if block_id in self._free_cached:
             del self._free_cached[block_id]
-            self._free_uncached.append(block_id)
+            self._free_uncached[block_id] = None
 
     def make_coldest(self, block_id: int) -> None:
         """Put a free cached block first in line for eviction (a block older than every other one)."""
         if block_id in self._free_cached:
             self._free_cached.move_to_end(block_id, last=False)
+            self._freed_at[block_id] = 0
 
     @property
     def num_free_uncached(self) -> int:

@@ -132,7 +132,7 @@ class KVTiers:
         for host_id, block_hash, tokens in run:
             self.host.incref(host_id)
             self._held_host.append(host_id)
-            block = device.allocate()
+            block = device.allocate(after=self._held_device[-1] if self._held_device else None)
             device.cache(block.block_id, block_hash, tokens)
             self._held_device.append(block.block_id)
             self._loads.append((host_id, block.block_id))
@@ -210,7 +210,7 @@ class KVTiers:
                 self._held_host.append(host_id)
                 if budget > 0:
                     budget -= 1
-                    block = device.allocate()
+                    block = device.allocate(after=held[-1] if held else None)
                     device.cache(block.block_id, block_hash, tokens)
                     held.append(block.block_id)
                     self._loads.append((host_id, block.block_id))

