@@ -2,8 +2,9 @@
 
 Paging lets a sequence's blocks lie anywhere, but where they lie still sets how fast a decode step reads
 them: a block of one layer is a few KiB (SmolLM2 in bf16: 6 KiB of K, as much of V), and the hardware
-prefetchers and DRAM pages reward reads that land next to the last ones. The block pool hands out free
-blocks in the order it holds them, so the layout a server's sequences get depends on its history:
+prefetchers and DRAM pages reward reads that land next to the last ones. Left to the order of its free
+lists, the block pool would give a server's sequences a layout that depends on its history (so
+``engine.block_pool`` places a sequence's next block next to its last where it can):
 
 - ``lockstep``: what a fresh pool gives sequences that grow together (block j of every sequence, then
   block j + 1: each block's neighbours are the other sequences' blocks of the same index);

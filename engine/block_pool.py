@@ -6,7 +6,7 @@ until the pool needs a fresh block and evicts the least recently freed of them.
 
 Where a block lies in the pool decides how fast a decode step reads it: a sequence whose blocks follow
 one another is read in long runs the hardware prefetchers follow, one whose blocks lie at random is read
-a third slower (``benchmarks/kv_layout.py``). So a sequence's next block is one next to its last where
+slower (``benchmarks/kv_layout.py`` measures by how much). So a sequence's next block is one next to its last where
 that one is free and holds nothing likely to be hit again (never cached, or in the older half of the
 cached free blocks once no never-cached block is free); otherwise the free lists' order decides.
 """
@@ -60,8 +60,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Both free lists are ordered (first out first) and give up any member in O(1): a placement takes the
-        # block after a sequence's last one out of either.
+        # Both free lists are ordered (first out first) and give up any member in O(1): a placement takes a
+        # block next to a sequence's last one out of either.
         self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         # When each cached free block was freed, counted in frees: how old it is among the cached free ones.
