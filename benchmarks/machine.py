@@ -119,7 +119,8 @@ TIERS = ("generic", "avx2", "avx512", "amx")
 # What each value of an ISA_CAPS variable caps the tier to (``ONEDNN_MAX_CPU_ISA`` is matched by prefix, its
 # values naming ever larger AVX-512 subsets).
 _CAP_TIERS: dict[str, dict[str, str]] = {
-    "CHATSVC_CPU_ISA": {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "avx512"},
+    # The avx512bf16 build runs AMX tiles where the CPU has them: only ONEDNN_MAX_CPU_ISA keeps it off them.
+    "CHATSVC_CPU_ISA": {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "amx"},
     "ATEN_CPU_CAPABILITY": {"default": "generic", "avx2": "avx2", "avx512": "avx512"},
     "ONEDNN_MAX_CPU_ISA": {"sse41": "generic", "avx": "generic", "avx2": "avx2", "avx512_core_amx": "amx",
                            "avx512": "avx512", "amx": "amx"},

@@ -16,7 +16,10 @@ so a cache dir shared between machines never hands one CPU a binary built for an
 - ``generic``: plain C++.
 
 The best one /proc/cpuinfo allows is used; ``CHATSVC_CPU_ISA`` forces another (one this CPU can run), so
-the AVX2 and generic builds are exercised on an AVX-512 machine too. Only builds actually asked for are
+the AVX2 and generic builds are exercised on an AVX-512 machine too. The ``avx512bf16`` build also runs AMX
+tiles (prefill attention scores, a decode's linears) where the CPU and OS grant them, unless
+``ONEDNN_MAX_CPU_ISA`` caps oneDNN below AMX (``amx_allowed``): one cap then keeps every matmul of the
+engine, oneDNN's and these kernels', off the tiles, as on an AVX-512 CPU without AMX. Only builds actually asked for are
 compiled (tens of seconds each, with the machine's C++ compiler through ``torch.utils.cpp_extension``),
 then cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), one build or load at a
 time per extension (``kernels.build_lock``: a killed build's leftover lock never stalls the next).
@@ -79,6 +82,13 @@ def testable_isas() -> list[str]:
     for it only where it is the best)."""
     isas = supported_isas()
     return [isas[0], *(i for i in ("avx2", "generic") if i in isas[1:])]
+
+
+def amx_allowed() -> bool:
+    """Whether these kernels may use AMX tiles: not when ``ONEDNN_MAX_CPU_ISA`` caps oneDNN to an ISA without
+    AMX (``AVX2``, ``AVX512_CORE_BF16``...; its AMX values and ``ALL``/``DEFAULT`` leave them on)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return not cap or "AMX" in cap or cap in ("ALL", "DEFAULT")
 
 
 def selected_isa() -> str:
@@ -169,6 +179,9 @@ class CpuKernels:
         """``ext``: an already built extension to use instead (benchmarks/cpu_attention.py --base: another
         commit's kernels through ``build_source``)."""
         self.ext = ext if ext is not None else load_extension(isa)
+        self.amx = amx_allowed()
+        if not self.amx and hasattr(self.ext, "set_amx"):
+            self.ext.set_amx(False)  # process-wide in the extension: the cap holds for the whole process
         self.ops = ModelOps(fused_add_rms_norm=self.fused_add_rms_norm, silu_and_mul=self.silu_and_mul,
                             rotary_embedding=self.rotary_embedding)
 
@@ -228,8 +241,8 @@ class CpuKernels:
     def amx_weight(self, weight: Tensor) -> AmxWeight | None:
         """``weight [N, K]`` packed for amx_linear, which runs a decode's few rows faster than oneDNN where it runs
         at all: bf16, N and K multiples of 32, this build on a CPU and OS with AMX tiles. None elsewhere."""
-        if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 32 or weight.shape[1] % 32
-                or not getattr(self.ext, "amx_linear_supported", lambda: False)()):
+        if (not self.amx or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 32
+                or weight.shape[1] % 32 or not getattr(self.ext, "amx_linear_supported", lambda: False)()):
             return None
         return AmxWeight(self.ext.amx_pack_weight(weight.detach()), self.ext.amx_linear, int(self.ext.amx_linear_rows))
 
@@ -248,7 +261,7 @@ class CpuKernels:
         return stack
 
 
-__all__ = ["ISAS", "CpuKernels", "build_all", "load_extension", "selected_isa", "supported_isas", "testable_isas"]
+__all__ = ["ISAS", "CpuKernels", "amx_allowed", "build_all", "load_extension", "selected_isa", "supported_isas", "testable_isas"]
 
 
 def build_all(names: Sequence[str]) -> int:

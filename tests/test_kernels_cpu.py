@@ -185,7 +185,36 @@ def test_amx_linear_refuses_what_it_cannot_run() -> None:
                        ext.amx_pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16)))
     backend = cpu_kernels.CpuKernels("avx512bf16")
     assert backend.amx_weight(torch.zeros(32, 32)) is None  # float32 stays on oneDNN
-    assert (backend.amx_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None) == _cpu_has_amx_bf16()
+    expected = _cpu_has_amx_bf16() and cpu_kernels.amx_allowed()
+    assert (backend.amx_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None) == expected
+
+
+@pytest.mark.parametrize(("cap", "allowed"), [(None, True), ("AVX512_CORE_AMX", True), ("avx512_core_amx_fp16", True),
+                                              ("ALL", True), ("AVX512_CORE_BF16", False), ("AVX2", False)])
+def test_amx_follows_the_onednn_isa_cap(monkeypatch: pytest.MonkeyPatch, cap: str | None, allowed: bool) -> None:
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert cpu_kernels.amx_allowed() is allowed
+
+
+@pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="needs a CPU with AMX-BF16")
+def test_a_cap_below_amx_keeps_linears_and_prefill_off_the_tiles(monkeypatch: pytest.MonkeyPatch,
+                                                                  gen: torch.Generator) -> None:
+    """An AVX-512 CPU without AMX, emulated on one with it: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps oneDNN
+    off the tiles, and the backend follows it (no AMX-packed linears, prefill scores on vdpbf16ps)."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    backend = cpu_kernels.CpuKernels("avx512bf16")
+    try:
+        assert backend.amx_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is None
+        # The extension's switch was turned off: turning it off again reports the tiles unused, and turning
+        # it back on (what the cap must not do by itself) reports them used.
+        assert not backend.ext.set_amx(False)
+        p = make_problem([40, 300], [40, 8], block_size=16, group=3, dtype=torch.bfloat16, generator=gen)
+        _check(p, _prefill(p), torch.bfloat16)
+    finally:
+        assert backend.ext.set_amx(True)
 
 @pytest.mark.parametrize("block_size", [1, 2, 64, 128, 256])
 def test_every_block_size_the_paper_sweeps(isa: str, gen: torch.Generator, block_size: int) -> None:

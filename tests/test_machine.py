@@ -52,6 +52,8 @@ def test_an_isa_cap_gives_the_capped_class() -> None:
     assert machine.machine_class(XEON, "auto", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}) == "avx512-bf16"
     assert machine.machine_class(XEON, "auto", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) == "amx-bf16"
     assert machine.machine_class(ZEN3, "float32", {"CHATSVC_CPU_ISA": "generic"}) == "generic-fp32"
+    # The avx512bf16 build still takes the tiles (kernels.cpu_kernels.amx_allowed): no cap below AMX.
+    assert machine.machine_class(XEON, "auto", {"CHATSVC_CPU_ISA": "avx512bf16"}) == "amx-bf16"
 
 
 def test_a_cap_never_raises_the_tier() -> None:
