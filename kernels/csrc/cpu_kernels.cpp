@@ -406,7 +406,11 @@ constexpr int64_t kQueryTile = 32;
 // Query tokens of a tile scored on AMX: each chunk's K and V are rearranged for the tiles once per work item,
 // so larger tiles spread that over more rows (a multiple of 16, so every tile's rows fill whole AMX tiles).
 constexpr int64_t kAmxQueryTile = 128;
-constexpr int64_t kChunk = 64;
+// Positions per chunk. On AMX a chunk's score and P V products are a few tile multiplies between loads and
+// stores of the accumulator tiles (head size 64: two per product at 64 positions), so the AVX-512 builds
+// take longer chunks to spread those over more work (decode walks the same chunks and reads as fast either
+// way); the AVX2 and generic builds keep a float32 chunk of K transposed for a prefill tile at 16 KiB.
+constexpr int64_t kChunk = W >= 16 ? 128 : 64;
 constexpr int64_t kMinSplit = 256;  // below this a KV part costs less than its merge
 constexpr int64_t kTiledRows = 8;   // rows from which transposing a chunk of K pays for itself
 constexpr int64_t kSharedRows = 4;  // rows below kTiledRows that share each K/V load (a GQA group)
