@@ -6,9 +6,9 @@ until the pool needs a fresh block and evicts the least recently freed of them.
 
 Where a block lies in the pool decides how fast a decode step reads it: a sequence whose blocks follow
 one another is read in long runs the hardware prefetchers follow, one whose blocks lie at random is read
-slower (``benchmarks/kv_layout.py`` measures by how much). So a sequence's next block is one next to its last where
-that one is free and holds nothing likely to be hit again (never cached, or in the older half of the
-cached free blocks once no never-cached block is free); otherwise the free lists' order decides.
+slower (``benchmarks/kv_layout.py`` measures by how much). So a sequence's next block is one next to its
+last where that one is free and holds nothing likely to be hit again (never cached, or in the older half
+of the cached free blocks once no never-cached block is free); otherwise the free lists' order decides.
 """
 
 from __future__ import annotations

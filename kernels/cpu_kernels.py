@@ -19,8 +19,8 @@ The best one /proc/cpuinfo allows is used; ``CHATSVC_CPU_ISA`` forces another (o
 the AVX2 and generic builds are exercised on an AVX-512 machine too. The ``avx512bf16`` build also runs AMX
 tiles (prefill attention scores, a decode's linears) where the CPU and OS grant them, unless
 ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below AMX (``amx_allowed``): one cap then keeps every matmul of the
-engine, oneDNN's and these kernels', off the tiles, as on an AVX-512 CPU without AMX. Only builds actually asked for are
-compiled (tens of seconds each, with the machine's C++ compiler through ``torch.utils.cpp_extension``),
+engine, oneDNN's and these kernels', off the tiles, as on an AVX-512 CPU without AMX. Only builds actually
+asked for are compiled (tens of seconds each, with the machine's C++ compiler through ``torch.utils.cpp_extension``),
 then cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), one build or load at a
 time per extension (``kernels.build_lock``: a killed build's leftover lock never stalls the next).
 ``scripts/setup.sh`` builds the default one so the first request does not pay for it.

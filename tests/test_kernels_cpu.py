@@ -208,13 +208,12 @@ def test_a_cap_below_amx_keeps_linears_and_prefill_off_the_tiles(monkeypatch: py
     backend = cpu_kernels.CpuKernels("avx512bf16")
     try:
         assert backend.amx_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is None
-        # The extension's switch was turned off: turning it off again reports the tiles unused, and turning
-        # it back on (what the cap must not do by itself) reports them used.
-        assert not backend.ext.set_amx(False)
+        assert not backend.ext.amx_in_use()
         p = make_problem([40, 300], [40, 8], block_size=16, group=3, dtype=torch.bfloat16, generator=gen)
         _check(p, _prefill(p), torch.bfloat16)
     finally:
         assert backend.ext.set_amx(True)
+    assert backend.ext.amx_in_use()
 
 @pytest.mark.parametrize("block_size", [1, 2, 64, 128, 256])
 def test_every_block_size_the_paper_sweeps(isa: str, gen: torch.Generator, block_size: int) -> None:

@@ -1449,6 +1449,15 @@ bool set_amx(bool enable) {
 #endif
 }
 
+// Whether bf16 prefill scores use AMX tiles now (set_amx's last answer).
+bool amx_in_use() {
+#if defined(__AVX512BF16__)
+  return amx_wanted.load(std::memory_order_relaxed) && amx_supported();
+#else
+  return false;
+#endif
+}
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
                            const at::Tensor& context_lens, double scale) {
@@ -1918,6 +1927,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>());
   m.def("set_amx", &set_amx, "Allow AMX tiles for bf16 prefill scores (default) or not; returns whether used",
         py::arg("enable"));
+  m.def("amx_in_use", &amx_in_use, "Whether bf16 prefill scores use AMX tiles now");
   m.attr("vector_width") = W;
   m.attr("amx_linear_rows") = kAmxLinearRows;
 }
