@@ -107,6 +107,8 @@ def test_an_sse_client_leaving_aborts_after_the_grace_unless_one_resumes(server:
     rid = list(engine.submitted)[-1]
     assert not wait_for(lambda: rid in engine.aborted, timeout=GRACE_S / 2)
     assert wait_for(lambda: rid in engine.aborted, timeout=GRACE_S * 3)
+    # the aborted turn is stored before the session takes another message
+    assert wait_for(lambda: not httpx.get(f"{server.url}/v1/sessions/{sid}").json()["busy"], timeout=5)
 
     first = send(server, sid, LONG, limit=1)
     rid = list(engine.submitted)[-1]
