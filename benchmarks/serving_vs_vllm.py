@@ -21,7 +21,9 @@ each round, so no prompt is in the prefix cache from a run before):
   b)  64 concurrent multi-turn sessions from ShareGPT (3 turns, 128 out, history resent each turn)
   c)  persona: 64 sessions sharing a 341-token system prompt (2 turns, 32 out); ours with prefix caching on
       and off
-Per workload: output tok/s, TTFT mean and p50, TPOT p50, ITL p50 for both servers, and ours / vLLM.
+Per workload: output tok/s, TTFT mean and p50, TPOT p50, ITL p50 for both servers, and ours / vLLM; and
+goodput, the requests per second that meet the chat SLO of TTFT <= 2 s and TPOT <= 100 ms (``GOODPUT_SLO``,
+which every ``chatsvc bench`` run is given), with each server's share of requests meeting it.
 
 Served vs offline: each round, after both servers' runs, that round's prompts of workload 32 go through our
 engine offline
@@ -46,7 +48,8 @@ It installs what is missing outside the project's environment (vLLM in ~/.cache/
 converted to an HF directory in ~/.cache/chatsvc/smollm2-135m-instruct-hf). ``--quick`` shrinks every workload
 to 4 chats x 16 tokens: it checks the plumbing and measures nothing. Last line: one JSON object
 {"workload_32": {"ours_tok_s", "vllm_tok_s", "ratio", "ratio_rounds", "ours_ttft_p50", "vllm_ttft_p50",
-"ours_ttft_p99", "vllm_ttft_p99", "ours_tpot_p50", "vllm_tpot_p50", ...}, "workload_64": {...}, "served_over_offline", "rounds", "cpu", "isa",
+"ours_ttft_p99", "vllm_ttft_p99", "ours_tpot_p50", "vllm_tpot_p50", "ours_goodput", "vllm_goodput",
+"goodput_ratio", ...}, "workload_64": {...}, "served_over_offline", "rounds", "cpu", "isa",
 "cores", "commit", ...} (latencies in ms; each field the median over rounds).
 """
 
@@ -336,6 +339,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
           "args": ["--sessions", "64", "--turns", "2", "--system-prompt-tokens", "341", "--max-tokens", "32",
                    "--max-prompt-chars", "400", "--ignore-eos"]},
 }
+# A request is good when its first token comes within 2 s and the rest at 100 ms a token or faster: a reader's
+# pace in a chat, the SLO the serving goal names next to tok/s.
+GOODPUT_SLO = "ttft=2000,tpot=100"
 WARMUP_ARGS = ["--sessions", "4", "--turns", "1", "--max-tokens", "16"]
 PAUSE_S = 5.0  # between runs: the previous run's client and stream teardown finish first
 
@@ -356,7 +362,7 @@ def workload_args(key: str, quick: bool) -> list[str]:
 
 def bench(url: str, name: str, args: list[str], json_path: Path | None, seed: int) -> dict[str, Any]:
     cmd = [str(PROJECT_PY), "-m", "chatsvc.bench", "--url", url, "--label", name, "--mode", "openai",
-           "--no-progress", "--duration", "900", "--seed", str(seed), *args]
+           "--no-progress", "--duration", "900", "--seed", str(seed), "--slo", GOODPUT_SLO, *args]
     if json_path is not None:
         cmd += ["--json", str(json_path)]
     log("bench: " + " ".join(cmd[2:]))
@@ -473,7 +479,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def table(results: dict[str, dict[str, Any]], keys: list[str]) -> list[str]:
     cols = ("workload", "server", "output tok/s", "TTFT mean (ms)", "TTFT p50 (ms)", "TPOT p50 (ms)",
-            "ITL p50 (ms)", "E2E p50 (ms)", "cached / prompt tokens", "errors")
+            "ITL p50 (ms)", "E2E p50 (ms)", "goodput (req/s)", "cached / prompt tokens", "errors")
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" if i < 2 else "---:" for i in range(len(cols))) + "|"]
     for key in keys:
         for name, per in results.items():
@@ -485,7 +491,7 @@ def table(results: dict[str, dict[str, Any]], keys: list[str]) -> list[str]:
                 f"{key}: {WORKLOADS[key]['title']}", name, fmt(pick(results, name, key, "output_tok_s")),
                 fmt(pick(results, name, key, "ttft_ms", "mean"), 0), fmt(pick(results, name, key, "ttft_ms", "p50"), 0),
                 fmt(pick(results, name, key, "tpot_ms", "p50")), fmt(pick(results, name, key, "itl_ms", "p50")),
-                fmt(pick(results, name, key, "e2e_ms", "p50"), 0),
+                fmt(pick(results, name, key, "e2e_ms", "p50"), 0), fmt(pick(results, name, key, "goodput_req_s"), 3),
                 f"{fmt(r.get('cached_prompt_tokens'))} / {fmt(r.get('total_prompt_tokens'))}", str(errs))) + " |")
         o, v = (pick(results, n, key, "output_tok_s") for n in ("ours", "vllm"))
         if o and v:
@@ -493,8 +499,18 @@ def table(results: dict[str, dict[str, Any]], keys: list[str]) -> list[str]:
                          f"{fmt(ratio(pick(results, 'ours', key, 'ttft_ms', 'mean'), pick(results, 'vllm', key, 'ttft_ms', 'mean')), 2)}x | "
                          f"{fmt(ratio(pick(results, 'ours', key, 'ttft_ms', 'p50'), pick(results, 'vllm', key, 'ttft_ms', 'p50')), 2)}x | "
                          f"{fmt(ratio(pick(results, 'ours', key, 'tpot_ms', 'p50'), pick(results, 'vllm', key, 'tpot_ms', 'p50')), 2)}x | "
-                         f"{fmt(ratio(pick(results, 'ours', key, 'itl_ms', 'p50'), pick(results, 'vllm', key, 'itl_ms', 'p50')), 2)}x | | | |")
+                         f"{fmt(ratio(pick(results, 'ours', key, 'itl_ms', 'p50'), pick(results, 'vllm', key, 'itl_ms', 'p50')), 2)}x | | "
+                         f"{fmt(ratio(*(pick(results, n, key, 'goodput_req_s') for n in ('ours', 'vllm'))), 2)}x | | |")
     return lines
+
+
+def goodput_cell(w: dict[str, Any]) -> str:
+    """Goodput of both servers and the share of requests meeting the SLO, for the summary table."""
+    def share(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0%}"
+
+    return (f"{fmt(w.get('ours_goodput'), 3)} / {fmt(w.get('vllm_goodput'), 3)} "
+            f"({share(w.get('ours_slo_attainment'))} / {share(w.get('vllm_slo_attainment'))})")
 
 
 def workload_summary(results: dict[str, dict[str, Any]], key: str) -> dict[str, float | None]:
@@ -515,6 +531,11 @@ def workload_summary(results: dict[str, dict[str, Any]], key: str) -> dict[str, 
         "vllm_ttft_mean": r(pick(results, "vllm", key, "ttft_ms", "mean")),
         "ours_itl_p50": r(pick(results, "ours", key, "itl_ms", "p50"), 2),
         "vllm_itl_p50": r(pick(results, "vllm", key, "itl_ms", "p50"), 2),
+        "ours_goodput": r(pick(results, "ours", key, "goodput_req_s"), 3),
+        "vllm_goodput": r(pick(results, "vllm", key, "goodput_req_s"), 3),
+        "goodput_ratio": ratio(pick(results, "ours", key, "goodput_req_s"), pick(results, "vllm", key, "goodput_req_s")),
+        "ours_slo_attainment": r(pick(results, "ours", key, "slo_attainment"), 3),
+        "vllm_slo_attainment": r(pick(results, "vllm", key, "slo_attainment"), 3),
     }
 
 
@@ -731,14 +752,14 @@ def main() -> int:
                                                                                   strict=False))
           + f"; median {fmt(served_over_offline, 3)}",
           "", "| workload | ours / vLLM tok/s, median (rounds) | TTFT p50 ours / vLLM ms | TTFT p99 ours / vLLM ms "
-          "| TPOT p50 ours / vLLM ms |",
-          "|---|---:|---:|---:|---:|"]
+          "| TPOT p50 ours / vLLM ms | goodput ours / vLLM req/s (requests meeting the SLO) |",
+          "|---|---:|---:|---:|---:|---:|"]
     for k in keys:
         w = final[f"workload_{k}"]
         md.append(f"| {k}: {WORKLOADS[k]['title']} | **{fmt(w['ratio'], 2)}x** "
                   f"({', '.join(fmt(x, 2) for x in w['ratio_rounds'])}) | {fmt(w['ours_ttft_p50'], 0)} / "
                   f"{fmt(w['vllm_ttft_p50'], 0)} | {fmt(w['ours_ttft_p99'], 0)} / {fmt(w['vllm_ttft_p99'], 0)} | "
-                  f"{fmt(w['ours_tpot_p50'])} / {fmt(w['vllm_tpot_p50'])} |")
+                  f"{fmt(w['ours_tpot_p50'])} / {fmt(w['vllm_tpot_p50'])} | {goodput_cell(w)} |")
     md.append("")
     if busy:
         md.insert(2, f"**WARNING: the machine was busy (1-min load > {machine.BUSY_LOAD}) before: {', '.join(busy)}. "

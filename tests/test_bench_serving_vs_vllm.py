@@ -86,3 +86,31 @@ def test_a_workload_summary_carries_ttft_p50_and_p99_of_both_servers() -> None:
     assert summary["ratio"] == 1.4
     assert (summary["ours_ttft_p50"], summary["ours_ttft_p99"]) == (500.0, 900.0)
     assert (summary["vllm_ttft_p50"], summary["vllm_ttft_p99"]) == (700.0, 1200.0)
+
+
+def test_every_bench_run_is_given_the_chat_slo_and_the_summary_carries_goodput(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Goodput (requests meeting TTFT <= 2 s and TPOT <= 100 ms) sits beside tok/s, for both servers."""
+    seen: list[list[str]] = []
+
+    class Done:
+        returncode = 0
+
+    def fake_run(cmd: list[str], **_: object) -> Done:
+        seen.append(cmd)
+        return Done()
+
+    monkeypatch.setattr(svv.subprocess, "run", fake_run)
+    svv.bench("http://127.0.0.1:1", "ours", ["--sessions", "4"], None, 0)
+    cmd = seen[0]
+    assert cmd[cmd.index("--slo") + 1] == svv.GOODPUT_SLO == "ttft=2000,tpot=100"
+    from chatsvc.bench.metrics import parse_slo
+    assert parse_slo(svv.GOODPUT_SLO) == {"ttft": 2000.0, "tpot": 100.0}
+
+    def run(goodput: float, share: float) -> dict[str, object]:
+        return {"output_tok_s": 600.0, "ttft_ms": {"p50": 500.0}, "goodput_req_s": goodput, "slo_attainment": share}
+
+    summary = svv.workload_summary({"ours": {"b": run(6.0, 0.75)}, "vllm": {"b": run(4.0, 0.5)}}, "b")
+    assert (summary["ours_goodput"], summary["vllm_goodput"], summary["goodput_ratio"]) == (6.0, 4.0, 1.5)
+    assert svv.goodput_cell(summary) == "6.000 / 4.000 (75% / 50%)"
+    assert svv.goodput_cell(svv.workload_summary({}, "b")) == "- / - (- / -)"
