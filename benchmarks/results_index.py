@@ -168,6 +168,10 @@ def _serving(f: dict[str, Any]) -> list[tuple[str, str]]:
             continue
         rows.append((f"chatsvc / vLLM output tok/s, {what}",
                      f"{_x(w.get('ratio'))} ({_n(w.get('ours_tok_s'))} / {_n(w.get('vllm_tok_s'))} tok/s)"))
+        if w.get("ours_goodput") is not None:  # records from before goodput was measured have none
+            rows.append((f"goodput req/s (TTFT <= 2 s, TPOT <= 100 ms), {what}, chatsvc vs vLLM",
+                         f"{_n(w.get('ours_goodput'), 3)} vs {_n(w.get('vllm_goodput'), 3)} "
+                         f"({_x(w.get('goodput_ratio'))})"))
         if w.get("ours_ttft_p99") is not None:  # records from before it was summarized have p50 only
             rows.append((f"TTFT p50 / TTFT p99 / TPOT p50 ms, {what}, chatsvc vs vLLM",
                          f"{_n(w.get('ours_ttft_p50'), 0)} / {_n(w.get('ours_ttft_p99'), 0)} / "
