@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import serving_vs_vllm as svv  # noqa: E402
 
+from chatsvc.bench.metrics import parse_slo  # noqa: E402
 from chatsvc.cli import add_serve_arguments  # noqa: E402
 
 
@@ -89,7 +90,7 @@ def test_a_workload_summary_carries_ttft_p50_and_p99_of_both_servers() -> None:
 
 
 def test_every_bench_run_is_given_the_chat_slo_and_the_summary_carries_goodput(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Goodput (requests meeting TTFT <= 2 s and TPOT <= 100 ms) sits beside tok/s, for both servers."""
     seen: list[list[str]] = []
 
@@ -104,7 +105,6 @@ def test_every_bench_run_is_given_the_chat_slo_and_the_summary_carries_goodput(
     svv.bench("http://127.0.0.1:1", "ours", ["--sessions", "4"], None, 0)
     cmd = seen[0]
     assert cmd[cmd.index("--slo") + 1] == svv.GOODPUT_SLO == "ttft=2000,tpot=100"
-    from chatsvc.bench.metrics import parse_slo
     assert parse_slo(svv.GOODPUT_SLO) == {"ttft": 2000.0, "tpot": 100.0}
 
     def run(goodput: float, share: float) -> dict[str, object]:

@@ -215,6 +215,7 @@ def test_a_cap_below_amx_keeps_linears_and_prefill_off_the_tiles(monkeypatch: py
         assert backend.ext.set_amx(True)
     assert backend.ext.amx_in_use()
 
+
 @pytest.mark.parametrize("block_size", [1, 2, 64, 128, 256])
 def test_every_block_size_the_paper_sweeps(isa: str, gen: torch.Generator, block_size: int) -> None:
     """The block sizes benchmarks/paper/block_size.py runs beyond the cases above: one token per block, and
