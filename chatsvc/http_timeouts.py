@@ -13,7 +13,10 @@ all (the app is only called once they are parsed), so the deadlines live in the 
   timeouts of its own.
 
 Past either, the client gets ``408 Request Timeout`` (unless a response already started) and the connection
-is closed; an app still reading the body sees the client disconnect.
+is closed; an app still reading the body sees the client disconnect. The close lingers, as nginx's does: the
+answer goes out with a FIN, and what the client still sends is read and dropped until it closes its side or
+``LINGER_S`` pass. Closed at once, the socket would answer the client's next byte with a reset, and a reset
+can reach the client before it has read the 408.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ log = logging.getLogger("chatsvc.http")
 
 _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
                      b"content-length: 16\r\nconnection: close\r\n\r\nrequest timeout\n")
+LINGER_S = 2.0  # how long a timed-out client may go on sending after its answer before the socket is closed
 
 
 class _ReadDeadlines(asyncio.Protocol):
@@ -45,10 +49,13 @@ class _ReadDeadlines(asyncio.Protocol):
         self._reading = ""
         self._seen: Any = None  # the last cycle whose headers were complete
         self._upgraded = False
+        self._linger: asyncio.TimerHandle | None = None  # set once the connection is timed out and closing
         super().connection_made(transport)
         self._arm("headers", self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger is not None:
+            return  # after the 408: read only so that the socket has nothing unread when it closes
         cycle: Any = getattr(self, "cycle", None)
         if self._deadline is None and (cycle is None or cycle.response_complete):
             self._arm("headers", self.header_timeout_s)  # the first byte of a kept-alive connection's next request
@@ -71,6 +78,8 @@ class _ReadDeadlines(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
 
     def _arm(self, what: str, timeout_s: float) -> None:
@@ -94,7 +103,12 @@ class _ReadDeadlines(asyncio.Protocol):
         if in_flight:  # the app reading the body sees a disconnect; what it sends next goes nowhere
             cycle.disconnected = True
             cycle.message_event.set()
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # The client's EOF ends the linger early: uvicorn's eof_received returns None, so asyncio closes.
+        self.transport.write_eof()
+        self._linger = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
 
 
 def read_deadline_protocol(http: str, header_timeout_s: float, body_timeout_s: float) -> type[asyncio.Protocol]:

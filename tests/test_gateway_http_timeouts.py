@@ -19,7 +19,7 @@ from timing import scaled
 from websockets.sync.client import connect
 
 from chatsvc.app import create_app
-from chatsvc.http_timeouts import read_deadline_protocol
+from chatsvc.http_timeouts import LINGER_S, read_deadline_protocol
 from chatsvc.settings import Settings
 from chatsvc.store import Store
 
@@ -73,6 +73,41 @@ def test_trickled_headers_are_cut_at_the_header_timeout(server: LiveServer) -> N
     answer, took = trickle(server, headers)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
     assert HEADER_S * 0.9 <= took < HEADER_S + scaled(2)
+
+
+def test_a_client_still_sending_after_the_408_reads_it_to_a_clean_close(server: LiveServer) -> None:
+    """The bytes a client sends after its 408 are read and dropped: it reads the whole answer and then the
+    server's FIN, never a reset (which could discard the answer before the client reads it)."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(scaled(10))
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        assert sock.recv(1, socket.MSG_PEEK) == b"H"  # the 408 is out
+        for _ in range(5):
+            sock.sendall(b"aaaa")
+            time.sleep(0.05)
+        answer = b""
+        while chunk := sock.recv(4096):  # ConnectionResetError here is the failure
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and answer.endswith(b"request timeout\n"), answer
+    finally:
+        sock.close()
+
+
+def test_a_client_that_never_stops_sending_is_closed_after_the_linger(server: LiveServer) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(scaled(10))
+    start = time.monotonic()
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        assert sock.recv(1, socket.MSG_PEEK) == b"H"
+        with pytest.raises(OSError):  # a reset or a broken pipe, once the server has closed
+            while time.monotonic() - start < HEADER_S + LINGER_S + scaled(5):
+                sock.sendall(b"a")
+                time.sleep(0.05)
+        assert HEADER_S + LINGER_S * 0.9 <= time.monotonic() - start < HEADER_S + LINGER_S + scaled(2)
+    finally:
+        sock.close()
 
 
 def test_a_silent_connection_is_cut_at_the_header_timeout(server: LiveServer) -> None:
