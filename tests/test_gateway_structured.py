@@ -25,6 +25,7 @@ from gateway_fixtures import (  # noqa: F401
 )
 from pydantic import BaseModel, Field
 
+from chatsvc.bench.dataset import default_dataset_path
 from chatsvc.structured import Grammars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -85,12 +86,10 @@ ASKS: list[tuple[type[BaseModel], str]] = [
 
 
 def _real_prompts(count: int) -> list[str]:
-    """The first ``count`` short ASCII first-turn prompts of the shared ShareGPT sample (questions, code
-    requests, chit-chat, pasted text)."""
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_prompts_1000.json"
-    if not data.exists():
-        pytest.skip(f"{data} (the shared ShareGPT prompts) is not there")
-    texts = [item["conversations"][0]["value"] for item in json.loads(data.read_text())]
+    """The first ``count`` short ASCII first-turn prompts of the ShareGPT sample the package bundles (the shared
+    one, byte for byte: tests/test_bench_dataset.py), so the test runs in any clone: questions, code requests,
+    chit-chat, pasted text."""
+    texts = [item["conversations"][0]["value"] for item in json.loads(default_dataset_path().read_text())]
     return [t for t in texts if 40 <= len(t) <= 300 and t.isascii()][:count]
 
 
