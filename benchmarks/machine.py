@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The flags that decide which matmul and attention paths a CPU gets (vLLM's and ours).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 # Settings that cap the instruction set below what the CPU has (to run the AVX2 paths on an AVX-512 machine):
-# a record made under any of them says so.
-ISA_CAPS = ("CHATSVC_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+# a record made under any of them says so. MKL is there because torch's float32 F.linear is MKL's SGEMM, which
+# ignores the oneDNN and ATen caps (our LM head in float32 is one).
+ISA_CAPS = ("CHATSVC_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 # Above this 1-minute load average before a run, something else is using a core.
 BUSY_LOAD = 0.5
 
@@ -116,22 +117,24 @@ def resolve_dtype(dtype: str) -> str:
 # Instruction-set tiers, slowest first: what decides which matmul and attention paths run, so numbers are
 # comparable only within one tier (and one dtype).
 TIERS = ("generic", "avx2", "avx512", "amx")
-# What each value of an ISA_CAPS variable caps the tier to (``ONEDNN_MAX_CPU_ISA`` is matched by prefix, its
-# values naming ever larger AVX-512 subsets).
+# What each value of an ISA_CAPS variable caps the tier to (``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS``
+# are matched by their longest prefix, their values naming ever larger AVX-512 subsets).
 _CAP_TIERS: dict[str, dict[str, str]] = {
     # The avx512bf16 build runs AMX tiles where the CPU has them: only ONEDNN_MAX_CPU_ISA keeps it off them.
     "CHATSVC_CPU_ISA": {"generic": "generic", "avx2": "avx2", "avx512": "avx512", "avx512bf16": "amx"},
     "ATEN_CPU_CAPABILITY": {"default": "generic", "avx2": "avx2", "avx512": "avx512"},
     "ONEDNN_MAX_CPU_ISA": {"sse41": "generic", "avx": "generic", "avx2": "avx2", "avx512_core_amx": "amx",
                            "avx512": "avx512", "amx": "amx"},
+    "MKL_ENABLE_INSTRUCTIONS": {"sse4_2": "generic", "avx": "generic", "avx2": "avx2", "avx512": "avx512"},
 }
+_PREFIX_MATCHED = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 _DTYPES = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 
 def _cap_tier(name: str, value: str) -> str | None:
     table = _CAP_TIERS.get(name, {})
     value = value.strip().lower()
-    if name == "ONEDNN_MAX_CPU_ISA":
+    if name in _PREFIX_MATCHED:
         for prefix, tier in sorted(table.items(), key=lambda kv: -len(kv[0])):  # longest prefix wins
             if value.startswith(prefix):
                 return tier
@@ -148,6 +151,43 @@ def parse_caps(caps: str | dict[str, str] | None) -> dict[str, str]:
     return dict(item.split("=", 1) for item in caps.split() if "=" in item)
 
 
+def _cpu_tier(isa: list[str]) -> str:
+    flags = set(isa)
+    return ("amx" if "amx_bf16" in flags else "avx512" if "avx512f" in flags else
+            "avx2" if "avx2" in flags else "generic")
+
+
+def _capped_tier(isa: list[str], caps: str | dict[str, str] | None) -> str:
+    tier = _cpu_tier(isa)
+    for name, value in parse_caps(caps).items():
+        capped = _cap_tier(name, value)
+        if capped is not None and TIERS.index(capped) < TIERS.index(tier):
+            tier = capped
+    return tier
+
+
+def missing_caps(isa: list[str], caps: str | dict[str, str] | None) -> list[str]:
+    """The ISA_CAPS a capped run lacks, as ``NAME=VALUE`` settings that would complete it: where one cap
+    lowers the class, every library that would otherwise run the CPU's wider instructions must be capped too,
+    or the record names a class part of it did not run in (MKL's SGEMM on AVX-512 under an "avx2" class).
+    Empty when nothing is capped, or everything that must be is."""
+    tier, cpu = _capped_tier(isa, caps), _cpu_tier(isa)
+    if tier == cpu:
+        return []
+    needed = {"ONEDNN_MAX_CPU_ISA": {"generic": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE_BF16"}[tier],
+              "MKL_ENABLE_INSTRUCTIONS": {"generic": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512"}[tier]}
+    if TIERS.index(tier) < TIERS.index("avx512") <= TIERS.index(cpu):  # AVX-512 code in ATen and our kernels
+        needed["ATEN_CPU_CAPABILITY"] = {"generic": "default", "avx2": "avx2"}[tier]
+        needed["CHATSVC_CPU_ISA"] = tier
+    given = parse_caps(caps)
+    missing = []
+    for name, value in needed.items():
+        capped = _cap_tier(name, given[name]) if name in given else None
+        if capped is None or TIERS.index(capped) > TIERS.index(tier):
+            missing.append(f"{name}={value}")
+    return missing
+
+
 def machine_class(isa: list[str], dtype: str, caps: str | dict[str, str] | None = None) -> str:
     """The class a record belongs to, ``<tier>-<dtype>`` (``avx2-fp32``, ``avx512-bf16``, ``amx-bf16``...): the
     best tier the CPU's flags reach, lowered by any ISA cap the run was made under, and the dtype it ran
@@ -155,12 +195,7 @@ def machine_class(isa: list[str], dtype: str, caps: str | dict[str, str] | None 
 
     Two records of one class ran the same code paths; across classes the numbers differ by design."""
     flags = set(isa)
-    tier = ("amx" if "amx_bf16" in flags else "avx512" if "avx512f" in flags else
-            "avx2" if "avx2" in flags else "generic")
-    for name, value in parse_caps(caps).items():
-        capped = _cap_tier(name, value)
-        if capped is not None and TIERS.index(capped) < TIERS.index(tier):
-            tier = capped
+    tier = _capped_tier(isa, caps)
     if dtype == "auto":  # what the engine's ``--dtype auto`` picks: bf16 where the CPU has it natively
         native = tier in ("avx512", "amx") and bool(flags & {"avx512_bf16", "amx_bf16"})
         dtype = "bfloat16" if native else "float32"
@@ -198,10 +233,15 @@ class Machine:
 
 def describe(**extra: Any) -> Machine:
     """This machine and checkout; ``extra`` adds fields (e.g. ``vllm="0.32.0"``), and ``isa_caps`` any ISA_CAPS
-    set in the environment."""
+    set in the environment. Exits when those caps are partial (``missing_caps``): the record would name a
+    class that part of the run was not in."""
     import platform
 
     caps = " ".join(f"{name}={os.environ[name]}" for name in ISA_CAPS if os.environ.get(name))
+    missing = missing_caps(isa_flags(), caps)
+    if missing:
+        raise SystemExit(f"the ISA caps set here ({caps}) leave some libraries uncapped; set {' '.join(missing)} "
+                         f"too, or none of them")
     return Machine(cpu_model(), isa_flags(), cores(), torch_version(), commit(), platform.python_version(),
                    platform.node(), {**({"isa_caps": caps} if caps else {}), **extra})
 

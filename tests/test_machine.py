@@ -56,6 +56,40 @@ def test_an_isa_cap_gives_the_capped_class() -> None:
     assert machine.machine_class(XEON, "auto", {"CHATSVC_CPU_ISA": "avx512bf16"}) == "amx-bf16"
 
 
+def test_mkl_is_capped_like_onednn() -> None:
+    """torch's float32 F.linear is MKL's SGEMM, which neither the oneDNN nor the ATen cap reaches."""
+    assert machine.machine_class(XEON, "float32", {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}) == "avx2-fp32"
+    assert machine.machine_class(XEON, "auto", {"MKL_ENABLE_INSTRUCTIONS": "AVX512_E1"}) == "avx512-bf16"
+    assert machine.machine_class(XEON, "float32", {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}) == "generic-fp32"
+
+
+def test_partial_caps_name_what_is_missing() -> None:
+    avx2 = "CHATSVC_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2"
+    assert machine.missing_caps(XEON, avx2) == ["MKL_ENABLE_INSTRUCTIONS=AVX2"]
+    assert machine.missing_caps(XEON, avx2 + " MKL_ENABLE_INSTRUCTIONS=AVX2") == []
+    assert machine.missing_caps(XEON, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}) == ["MKL_ENABLE_INSTRUCTIONS=AVX512"]
+    assert machine.missing_caps(XEON, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                                       "MKL_ENABLE_INSTRUCTIONS": "AVX512"}) == []
+    # A cap above the class counts as missing: MKL on AVX-512 under an AVX2 oneDNN.
+    assert machine.missing_caps(ZEN5, {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+                                       "ATEN_CPU_CAPABILITY": "avx2", "CHATSVC_CPU_ISA": "avx2"}) == [
+        "MKL_ENABLE_INSTRUCTIONS=AVX2"]
+    # On an AVX2 CPU an AVX2 cap caps nothing; no cap at all is complete.
+    assert machine.missing_caps(ZEN3, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) == []
+    assert machine.missing_caps(XEON, None) == []
+
+
+def test_describe_refuses_partial_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "isa_flags", lambda: XEON)
+    for name in machine.ISA_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    with pytest.raises(SystemExit, match="MKL_ENABLE_INSTRUCTIONS=AVX512"):
+        machine.describe()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX512")
+    assert machine.describe().extra["isa_caps"] == "ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 MKL_ENABLE_INSTRUCTIONS=AVX512"
+
+
 def test_a_cap_never_raises_the_tier() -> None:
     assert machine.machine_class(ZEN3, "float32", {"CHATSVC_CPU_ISA": "avx512bf16"}) == "avx2-fp32"
     assert machine.machine_class(ZEN3, "float32", {"SOMETHING_ELSE": "amx"}) == "avx2-fp32"
