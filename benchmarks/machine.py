@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
 # Settings that cap the instruction set below what the CPU has (to run the AVX2 paths on an AVX-512 machine):
 # a record made under any of them says so. MKL is there because torch's float32 F.linear is MKL's SGEMM, which
-# ignores the oneDNN and ATen caps (our LM head in float32 is one).
+# ignores the oneDNN and ATen caps (any linear left unpacked: ``--linear-backend torch``, vLLM's fallback).
 ISA_CAPS = ("CHATSVC_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 # Above this 1-minute load average before a run, something else is using a core.
 BUSY_LOAD = 0.5
