@@ -12,8 +12,8 @@ import torch
 
 from kernels import reference
 from kernels.backend import (
-    AmxWeight,
     AttentionBackend,
+    DecodeWeight,
     LayerStack,
     ModelOps,
     StackedLayer,
@@ -71,5 +71,5 @@ def get_backend(name: str = "auto", device: str | torch.device = "cpu") -> Atten
     raise ValueError(f"unknown attention backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")
 
 
-__all__ = ["REFERENCE_OPS", "AmxWeight", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "TorchBackend",
+__all__ = ["REFERENCE_OPS", "AttentionBackend", "DecodeWeight", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "TorchBackend",
            "get_backend", "reference"]

@@ -15,9 +15,10 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class AmxWeight:
-    """A projection's weight packed for a backend's AMX GEMM (``run(x, packed)``, bf16), which a decode's rows (up
-    to ``max_rows``) run on instead of oneDNN's: see kernels/csrc/cpu_kernels.cpp, amx_linear."""
+class DecodeWeight:
+    """A projection's weight packed for a backend's decode GEMM (``run(x, packed)``), which a decode's rows (up
+    to ``max_rows``) run on instead of oneDNN's: see kernels/csrc/cpu_kernels.cpp, amx_linear (bf16) and
+    f32_linear (float32)."""
 
     packed: Tensor
     run: Callable[[Tensor, Tensor], Tensor]
@@ -60,10 +61,10 @@ class StackedLayer:
     o_bias: Tensor | None = None
     gate_up_bias: Tensor | None = None
     down_bias: Tensor | None = None
-    qkv_amx: Tensor | None = None  # the projections packed for the backend's AMX GEMM too (AmxWeight.packed)
-    o_amx: Tensor | None = None
-    gate_up_amx: Tensor | None = None
-    down_amx: Tensor | None = None
+    qkv_decode: Tensor | None = None  # packed for the backend's decode GEMM too (DecodeWeight.packed)
+    o_decode: Tensor | None = None
+    gate_up_decode: Tensor | None = None
+    down_decode: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -144,4 +145,4 @@ class AttentionBackend(Protocol):
         such kernel (``no_layer_stack``)."""
 
 
-__all__ = ["AmxWeight", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "no_layer_stack"]
+__all__ = ["DecodeWeight", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "no_layer_stack"]

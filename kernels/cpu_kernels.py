@@ -42,7 +42,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels.backend import AmxWeight, LayerStack, ModelOps, StackedLayer, StackShape
+from kernels.backend import DecodeWeight, LayerStack, ModelOps, StackedLayer, StackShape
 from kernels.build_lock import build_lock
 from kernels.reference import copy_blocks, swap_blocks
 
@@ -238,13 +238,25 @@ class CpuKernels:
         half = qk.shape[-1] // 2
         self.ext.rotary_embedding(qk, cos.reshape(-1, half), sin.reshape(-1, half))
 
-    def amx_weight(self, weight: Tensor) -> AmxWeight | None:
-        """``weight [N, K]`` packed for amx_linear, which runs a decode's few rows faster than oneDNN where it runs
-        at all: bf16, N and K multiples of 32, this build on a CPU and OS with AMX tiles. None elsewhere."""
-        if (not self.amx or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[0] % 32
-                or weight.shape[1] % 32 or not getattr(self.ext, "amx_linear_supported", lambda: False)()):
+    def decode_weight(self, weight: Tensor) -> DecodeWeight | None:
+        """``weight [N, K]`` packed for this build's decode GEMM, which runs a decode's few rows faster than
+        oneDNN's packed GEMM where it runs at all: ``amx_linear`` for bf16 (N and K multiples of 32, the
+        AVX512-BF16 build on a CPU and OS with AMX tiles), ``f32_linear`` for float32 (N a multiple of 16, the
+        AVX2 build). None elsewhere."""
+        if weight.dim() != 2:
             return None
-        return AmxWeight(self.ext.amx_pack_weight(weight.detach()), self.ext.amx_linear, int(self.ext.amx_linear_rows))
+        if weight.dtype == torch.bfloat16:
+            if (not self.amx or weight.shape[0] % 32 or weight.shape[1] % 32
+                    or not getattr(self.ext, "amx_linear_supported", lambda: False)()):
+                return None
+            return DecodeWeight(self.ext.amx_pack_weight(weight.detach()), self.ext.amx_linear,
+                                int(self.ext.amx_linear_rows))
+        if weight.dtype == torch.float32:
+            if weight.shape[0] % 16 or not getattr(self.ext, "f32_linear_supported", lambda: False)():
+                return None
+            return DecodeWeight(self.ext.f32_pack_weight(weight.detach()), self.ext.f32_linear,
+                                int(self.ext.f32_linear_rows))
+        return None
 
     def layer_stack(self, layers: Sequence[StackedLayer], final_norm: Tensor, shape: StackShape) -> LayerStack | None:
         """The C++ ``DecoderStack`` over ``layers``: each layer's ops as the modules run them, through these
@@ -252,9 +264,9 @@ class CpuKernels:
         kernels, benchmarks/cpu_attention.py --base)."""
         if not hasattr(self.ext, "DecoderStack"):
             return None
-        # An extension from before the AMX packs (another commit's) takes the layers without them.
+        # An extension from before the decode packs (another commit's) takes the layers without them.
         weights = [self.ext.LayerWeights(**{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)
-                                            if not f.name.endswith("_amx") or getattr(layer, f.name) is not None})
+                                            if not f.name.endswith("_decode") or getattr(layer, f.name) is not None})
                    for layer in layers]
         stack: LayerStack = self.ext.DecoderStack(weights, final_norm, shape.eps, shape.num_heads, shape.num_kv_heads,
                                                   shape.head_dim, shape.scale)

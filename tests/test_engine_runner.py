@@ -199,6 +199,6 @@ def test_no_slow_row_probe_where_a_decode_runs_on_the_amx_gemm(tmp_path: Path, m
         pytest.skip("oneDNN has no native bf16 here: the linears are not packed")
     monkeypatch.setenv("CHATSVC_CACHE_DIR", str(tmp_path / "cache"))
     engine = LLMEngine.from_args(make_tiny_model_dir(tmp_path / "m"), dtype="bfloat16", num_kv_blocks=16)
-    amx = engine.runner.model.lm_head_amx is not None
+    amx = engine.runner.model.lm_head_decode is not None
     assert amx == (" amx_bf16" in Path("/proc/cpuinfo").read_text())
     assert (engine.runner.slow_rows is None) if amx else (tmp_path / "cache" / "gemm_probes.json").exists()

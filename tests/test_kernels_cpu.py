@@ -175,6 +175,47 @@ def test_amx_linear_matches_the_oracle_and_onednn(gen: torch.Generator, rows: in
     assert ((out.double() - onednn.double()).abs() <= 2 * ulp).all()
 
 
+@pytest.mark.skipif("avx2" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX2")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 64, 100, 128])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (3072, 576), (16, 3), (48, 1)])
+def test_f32_linear_matches_the_oracle_and_onednn(gen: torch.Generator, rows: int, n: int, k: int) -> None:
+    """A decode's rows on the AVX2 build's float32 GEMM: every row-tile height (1-6 rows, and their mixes), each
+    output within float32 sums' error of the float64 product and of oneDNN's, strided inputs too."""
+    from engine.model.linear import pack_weight, packed_linear
+
+    ext = cpu_kernels.load_extension("avx2")
+    assert ext.f32_linear_supported()
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(rows, 2 * k, generator=gen)[:, ::2]  # strided rows
+    out = ext.f32_linear(x, ext.f32_pack_weight(weight))
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    exact = x.double() @ weight.double().T
+    bound = 2.0**-22 * k * (x.double().abs() @ weight.double().abs().T) + 1e-30  # k roundings of float32 sums
+    assert ((out.double() - exact).abs() <= bound).all()
+    onednn = packed_linear(x.contiguous(), pack_weight(weight), None)
+    assert ((out.double() - onednn.double()).abs() <= 2 * bound).all()
+
+
+def test_f32_linear_only_in_the_avx2_build() -> None:
+    """The float32 decode GEMM is the AVX2 build's: decode_weight packs float32 for it there and nowhere else
+    (the AVX-512 builds keep float32 on oneDNN), never bf16 or a weight whose outputs are not whole blocks."""
+    for isa in cpu_kernels.testable_isas():
+        backend = cpu_kernels.CpuKernels(isa)
+        assert backend.ext.f32_linear_supported() == (isa == "avx2")
+        packed = backend.decode_weight(torch.zeros(32, 24))
+        assert (packed is not None) == (isa == "avx2")
+        assert backend.decode_weight(torch.zeros(24, 32)) is None
+        if isa != "avx2":
+            with pytest.raises(RuntimeError, match="only the AVX2 build"):
+                backend.ext.f32_linear(torch.zeros(2, 24), backend.ext.f32_pack_weight(torch.zeros(32, 24)))
+    if "avx2" in cpu_kernels.testable_isas():
+        ext = cpu_kernels.load_extension("avx2")
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            ext.f32_pack_weight(torch.zeros(24, 32))
+        with pytest.raises(RuntimeError, match="K inputs"):
+            ext.f32_linear(torch.zeros(2, 16), ext.f32_pack_weight(torch.zeros(32, 24)))
+
+
 @pytest.mark.skipif("avx512bf16" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX512-BF16")
 def test_amx_linear_refuses_what_it_cannot_run() -> None:
     ext = cpu_kernels.load_extension("avx512bf16")
@@ -184,9 +225,9 @@ def test_amx_linear_refuses_what_it_cannot_run() -> None:
         ext.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16),
                        ext.amx_pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16)))
     backend = cpu_kernels.CpuKernels("avx512bf16")
-    assert backend.amx_weight(torch.zeros(32, 32)) is None  # float32 stays on oneDNN
+    assert backend.decode_weight(torch.zeros(32, 32)) is None  # float32 stays on oneDNN
     expected = _cpu_has_amx_bf16() and cpu_kernels.amx_allowed()
-    assert (backend.amx_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None) == expected
+    assert (backend.decode_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None) == expected
 
 
 @pytest.mark.parametrize(("cap", "allowed"), [(None, True), ("AVX512_CORE_AMX", True), ("avx512_core_amx_fp16", True),
@@ -207,7 +248,7 @@ def test_a_cap_below_amx_keeps_linears_and_prefill_off_the_tiles(monkeypatch: py
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     backend = cpu_kernels.CpuKernels("avx512bf16")
     try:
-        assert backend.amx_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is None
+        assert backend.decode_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is None
         assert not backend.ext.amx_in_use()
         p = make_problem([40, 300], [40, 8], block_size=16, group=3, dtype=torch.bfloat16, generator=gen)
         _check(p, _prefill(p), torch.bfloat16)

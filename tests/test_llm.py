@@ -94,6 +94,24 @@ def test_batched_greedy_matches_transformers(llm: LLM, reference: Any, prompts: 
         _assert_parity(reference, ids, want, out.outputs[0].token_ids)
 
 
+def test_avx2_builds_float32_decode_gemm_keeps_parity(monkeypatch: pytest.MonkeyPatch, reference: Any,
+                                                       prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """The AVX2 build runs a decode's float32 projections and LM head on its own GEMM (f32_linear), as on a CPU
+    without AVX-512: greedy output still matches transformers, batched and alone."""
+    from kernels import cpu_kernels
+
+    if "avx2" not in cpu_kernels.supported_isas():
+        pytest.skip("needs a CPU with AVX2")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    avx2 = LLM(dtype="float32", num_kv_blocks=512)
+    model = avx2.engine.runner.model
+    assert model.lm_head_decode is not None and model.stack is not None
+    outs = avx2.generate(prompt_token_ids=prompts, sampling_params=_params())
+    outs += avx2.generate(prompt_token_ids=prompts[:1], sampling_params=_params())
+    for ids, want, out in zip([*prompts, prompts[0]], [*expected, expected[0]], outs, strict=True):
+        _assert_parity(reference, ids, want, out.outputs[0].token_ids)
+
+
 def test_one_by_one_and_cached_rerun_match(llm: LLM, reference: Any, prompts: list[list[int]],
                                            expected: list[list[int]]) -> None:
     for ids, want in zip(prompts, expected, strict=True):

@@ -272,9 +272,9 @@ def test_the_layers_stay_modules_where_a_piece_has_no_cpp_form(tiny_dirs: dict[s
         assert load_model(str(tiny_dirs["llama"]), quantization="int8").model.stack is None
 
 
-def test_bf16_projections_take_amx_tiles_for_a_decode_where_the_cpu_has_them(tiny_dirs: dict[str, Path]) -> None:
+def test_projections_take_the_decode_gemm_of_the_build_where_it_runs_here(tiny_dirs: dict[str, Path]) -> None:
     """Every bias-free projection and the LM head get an AMX pack in bf16 on a CPU with AMX (the C++ kernels),
-    none in float32; a projection with a bias (qwen2's Q/K/V) stays on oneDNN."""
+    and a float32 pack only in the AVX2 build; a projection with a bias (qwen2's Q/K/V) stays on oneDNN."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no native bf16 here: the linears are not packed")
     for arch in ("llama", "qwen2"):
@@ -283,7 +283,10 @@ def test_bf16_projections_take_amx_tiles_for_a_decode_where_the_cpu_has_them(tin
         amx = ext is not None and bool(ext.amx_linear_supported())
         for module in model.modules():
             if isinstance(module, Linear):
-                assert (module.amx is not None) == (amx and module.bias is None)
-        assert (model.lm_head_amx is not None) == amx
+                assert (module.decode is not None) == (amx and module.bias is None)
+        assert (model.lm_head_decode is not None) == amx
     model = load_model(str(tiny_dirs["llama"]), dtype=torch.float32).model
-    assert model.lm_head_amx is None and all(m.amx is None for m in model.modules() if isinstance(m, Linear))
+    ext = getattr(model.backend, "ext", None)
+    f32 = ext is not None and bool(ext.f32_linear_supported())  # the AVX2 build's float32 decode GEMM
+    assert (model.lm_head_decode is not None) == f32
+    assert all((m.decode is not None) == f32 for m in model.modules() if isinstance(m, Linear))

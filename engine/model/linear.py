@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model.quant import Int8Weight, make_int8_weight
-from kernels.backend import AmxWeight
+from kernels.backend import DecodeWeight
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ class Linear(nn.Module):
     and nn.Linear's random init (or building on the meta device) costs seconds for nothing.
 
     After :meth:`pack` the forward pass runs on the packed copy; the plain weight stays the parameter
-    (checkpoint loading, tests and the LM head's tied embedding read it). With an ``amx`` copy too (the
-    backend's ``amx_weight``, set by the model), a decode's few rows run on it instead. After :meth:`quantize`
+    (checkpoint loading, tests and the LM head's tied embedding read it). With a ``decode`` copy too (the
+    backend's ``decode_weight``, set by the model), a decode's few rows run on it instead. After :meth:`quantize`
     it runs in int8 instead (see engine.model.quant).
     """
 
@@ -166,7 +166,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.packed: Tensor | None = None
-        self.amx: AmxWeight | None = None
+        self.decode: DecodeWeight | None = None
         self.int8: Int8Weight | None = None
 
     def pack(self) -> None:
@@ -175,13 +175,13 @@ class Linear(nn.Module):
     def quantize(self, kernel: str) -> None:
         """Run in int8 with ``kernel`` ("onednn" or "fbgemm") from now on; a packed copy is dropped."""
         self.int8 = make_int8_weight(self.weight, kernel)
-        self.packed = self.amx = None
+        self.packed = self.decode = None
 
     def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
         if self.int8 is not None:
             return self.int8(x, bias)
-        if self.amx is not None and bias is None and x.dim() == 2 and x.shape[0] <= self.amx.max_rows:
-            return self.amx(x)  # the rule the C++ layer loop follows (cpu_kernels.cpp, project)
+        if self.decode is not None and bias is None and x.dim() == 2 and x.shape[0] <= self.decode.max_rows:
+            return self.decode(x)  # the rule the C++ layer loop follows (cpu_kernels.cpp, project)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

@@ -21,7 +21,7 @@ from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.linear import Linear, pack_weight, packed_linear
 from engine.model.parallel import TensorParallel, row_linear
 from engine.model.quant import Int8Weight, make_int8_weight
-from kernels import AmxWeight, AttentionBackend, LayerStack, ModelOps, StackedLayer, StackShape
+from kernels import AttentionBackend, DecodeWeight, LayerStack, ModelOps, StackedLayer, StackShape
 
 
 class Embedding(nn.Module):
@@ -169,8 +169,8 @@ def _packed(linear: Linear) -> Tensor:
     return linear.packed
 
 
-def _amx(linear: Linear) -> Tensor | None:
-    return None if linear.amx is None else linear.amx.packed
+def _decode(linear: Linear) -> Tensor | None:
+    return None if linear.decode is None else linear.decode.packed
 
 
 # HF checkpoint names that land in one of our fused weights: suffix -> (fused suffix, shard index).
@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, device, dtype)
         self.lm_head_packed: Tensor | None = None
-        self.lm_head_amx: AmxWeight | None = None
+        self.lm_head_decode: DecodeWeight | None = None
         self.lm_head_int8: Int8Weight | None = None
         self.backend = backend
         # The layer loop in one kernel call (fuse_layers), or None: the modules below, layer by layer.
@@ -212,15 +212,16 @@ class LlamaForCausalLM(nn.Module):
         Call after load_weights, once the weights are final.
         """
         self.stack = None  # built on the packs it replaces: fuse_layers again after
-        # The backend's AMX GEMM for a decode's rows, where it has one that runs here (bf16 on an AMX CPU).
-        amx_weight = typing.cast("typing.Callable[[Tensor], AmxWeight | None] | None",
-                                 getattr(self.backend, "amx_weight", None))
+        # The backend's decode GEMM for a decode's rows, where it has one that runs here (bf16 on an AMX CPU,
+        # float32 in the AVX2 build).
+        decode_weight = typing.cast("typing.Callable[[Tensor], DecodeWeight | None] | None",
+                                    getattr(self.backend, "decode_weight", None))
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-                module.amx = amx_weight(module.weight) if amx_weight and module.bias is None else None
+                module.decode = decode_weight(module.weight) if decode_weight and module.bias is None else None
         self.lm_head_packed = pack_weight(self._lm_head_weight())
-        self.lm_head_amx = amx_weight(self._lm_head_weight()) if amx_weight else None
+        self.lm_head_decode = decode_weight(self._lm_head_weight()) if decode_weight else None
 
     def fuse_layers(self) -> bool:
         """Run the decoder layers as one call into the kernels from now on (the backend's ``layer_stack``:
@@ -238,8 +239,8 @@ class LlamaForCausalLM(nn.Module):
                 input_norm=layer.input_layernorm.weight.detach(), qkv=_packed(attn.qkv_proj), o=_packed(attn.o_proj),
                 post_norm=layer.post_attention_layernorm.weight.detach(), gate_up=_packed(mlp.gate_up_proj),
                 down=_packed(mlp.down_proj), qkv_bias=_bias(attn.qkv_proj), o_bias=_bias(attn.o_proj),
-                gate_up_bias=_bias(mlp.gate_up_proj), down_bias=_bias(mlp.down_proj), qkv_amx=_amx(attn.qkv_proj),
-                o_amx=_amx(attn.o_proj), gate_up_amx=_amx(mlp.gate_up_proj), down_amx=_amx(mlp.down_proj)))
+                gate_up_bias=_bias(mlp.gate_up_proj), down_bias=_bias(mlp.down_proj), qkv_decode=_decode(attn.qkv_proj),
+                o_decode=_decode(attn.o_proj), gate_up_decode=_decode(mlp.gate_up_proj), down_decode=_decode(mlp.down_proj)))
         c = self.layer_config
         shape = StackShape(eps=self.model.norm.eps, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                            head_dim=c.head_dim, scale=c.head_dim**-0.5)
@@ -267,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
                 module.quantize(kernel)
         if head:
             self.lm_head_int8 = make_int8_weight(self._lm_head_weight(), kernel)
-            self.lm_head_packed = self.lm_head_amx = None
+            self.lm_head_packed = self.lm_head_decode = None
 
     def forward(self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor,
                 attn_metadata: AttentionMetadata) -> Tensor:
@@ -302,8 +303,8 @@ class LlamaForCausalLM(nn.Module):
         (a [64, 49152] float32 copy every decode step saved)."""
         if self.lm_head_int8 is not None:
             logits = self.lm_head_int8(hidden, None)
-        elif self.lm_head_amx is not None and hidden.shape[0] <= self.lm_head_amx.max_rows:
-            logits = self.lm_head_amx(hidden)
+        elif self.lm_head_decode is not None and hidden.shape[0] <= self.lm_head_decode.max_rows:
+            logits = self.lm_head_decode(hidden)
         elif self.lm_head_packed is not None:
             logits = packed_linear(hidden, self.lm_head_packed, None)
         else:

@@ -1438,6 +1438,128 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed) {
 #endif
 }
 
+// ---- float32 linear (AVX2 decode GEMMs) ----------------------------------------------------------------
+//
+// y = x W^T in float32 for a decode step's rows (up to kF32LinearRows) in the AVX2 build, where oneDNN's packed
+// GEMM runs decode-sized row counts at well under its prefill rate: it blocks for large products, so a few
+// rows leave its weight stream idle between blocks. Here each thread walks its share of the weight's columns
+// 16 at a time; a column block (16 columns x K inputs, in memory order) stays in L2 while every row of x
+// passes over it in register tiles of up to 6 rows x 16 columns (12 accumulators, two weight vectors and one
+// broadcast: 15 of the 16 ymm registers), and the first pass asks for the next block, one line per input,
+// so the block after arrives while this one is multiplied. benchmarks/step_ab.py measures the step.
+// The weight is packed once (f32_pack_weight) as [N / 16][K][16] float32.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define CHATSVC_F32_LINEAR 1
+#endif
+
+// Rows up to which f32_linear runs a projection; a prefill's hundreds of rows reuse each weight block enough
+// for oneDNN's blocking.
+constexpr int64_t kF32LinearRows = 128;
+
+at::Tensor f32_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.size(0) % 16 == 0,
+              "f32_pack_weight: a float32 weight [N, K] with N a multiple of 16");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  return weight.reshape({n / 16, 16, k}).permute({0, 2, 1}).contiguous();
+}
+
+#if defined(CHATSVC_F32_LINEAR)
+// Rows [0, R) of y's 16 columns at y (row stride n) from rows [0, R) of x (row stride k) and the column block
+// w [k][16]; ahead: the next block, asked for one line per input (nullptr: nothing to ask for). The
+// accumulators are named rather than an array, which GCC keeps on the stack.
+template <int R>
+inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_t n, const char* ahead) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t i = 0; i < k; ++i) {
+    if (ahead != nullptr) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
+    const __m256 b0 = _mm256_loadu_ps(w + i * 16), b1 = _mm256_loadu_ps(w + i * 16 + 8);
+#define CHATSVC_F32_ROW(r)                                   \
+  if constexpr (R > r) {                                     \
+    const __m256 a = _mm256_broadcast_ss(x + r * k + i);     \
+    c##r##0 = _mm256_fmadd_ps(a, b0, c##r##0);               \
+    c##r##1 = _mm256_fmadd_ps(a, b1, c##r##1);               \
+  }
+    CHATSVC_F32_ROW(0)
+    CHATSVC_F32_ROW(1)
+    CHATSVC_F32_ROW(2)
+    CHATSVC_F32_ROW(3)
+    CHATSVC_F32_ROW(4)
+    CHATSVC_F32_ROW(5)
+#undef CHATSVC_F32_ROW
+  }
+#define CHATSVC_F32_STORE(r)                          \
+  if constexpr (R > r) {                              \
+    _mm256_storeu_ps(y + r * n, c##r##0);             \
+    _mm256_storeu_ps(y + r * n + 8, c##r##1);         \
+  }
+  CHATSVC_F32_STORE(0)
+  CHATSVC_F32_STORE(1)
+  CHATSVC_F32_STORE(2)
+  CHATSVC_F32_STORE(3)
+  CHATSVC_F32_STORE(4)
+  CHATSVC_F32_STORE(5)
+#undef CHATSVC_F32_STORE
+}
+
+// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T.
+void f32_linear_blocks(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n, int64_t b0,
+                       int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* wb = w + b * k * 16;
+    const char* ahead = b + 1 < b1 ? reinterpret_cast<const char*>(wb + k * 16) : nullptr;
+    for (int64_t r = 0; r < m;) {
+      const float* xr = x + r * k;
+      float* yr = y + r * n + b * 16;
+      const int64_t rows = std::min<int64_t>(m - r, 6);
+      switch (rows) {
+        case 6: f32_tile<6>(xr, wb, yr, k, n, ahead); break;
+        case 5: f32_tile<5>(xr, wb, yr, k, n, ahead); break;
+        case 4: f32_tile<4>(xr, wb, yr, k, n, ahead); break;
+        case 3: f32_tile<3>(xr, wb, yr, k, n, ahead); break;
+        case 2: f32_tile<2>(xr, wb, yr, k, n, ahead); break;
+        default: f32_tile<1>(xr, wb, yr, k, n, ahead); break;
+      }
+      r += rows;
+      ahead = nullptr;  // asked for in the first pass; later passes find it in L2
+    }
+  }
+}
+#endif
+
+bool f32_linear_supported() {
+#if defined(CHATSVC_F32_LINEAR)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y [M, N] = x [M, K] W^T in float32, W packed by f32_pack_weight (N = 16 * its first dimension).
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed) {
+  const char* what = "f32_linear (cpu)";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous() && packed.size(2) == 16 && x.size(1) == packed.size(1),
+              what, ": x [M, K] float32 and a weight from f32_pack_weight with K inputs");
+#if defined(CHATSVC_F32_LINEAR)
+  const at::Tensor xs = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * 16;
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float* xp = xs.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      f32_linear_blocks(xp, wp, yp, m, k, n, blocks * t / threads, blocks * (t + 1) / threads);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, what, ": only the AVX2 build has it");
+#endif
+}
+
 // Whether bf16 prefill scores may use AMX tiles; returns whether they now will (the CPU and OS allowing).
 bool set_amx(bool enable) {
 #if defined(__AVX512BF16__)
@@ -1811,14 +1933,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
 struct LayerWeights {
   at::Tensor input_norm, qkv, o, post_norm, gate_up, down;  // the projections packed for oneDNN
   c10::optional<at::Tensor> qkv_bias, o_bias, gate_up_bias, down_bias;
-  c10::optional<at::Tensor> qkv_amx, o_amx, gate_up_amx, down_amx;  // and for amx_linear, where it runs
+  c10::optional<at::Tensor> qkv_decode, o_decode, gate_up_decode, down_decode;  // and for a decode GEMM
 };
 
-// A projection as engine.model.linear.Linear.matmul runs it: amx_linear for a decode's few rows where the
-// weight has that packing (never with a bias), oneDNN's packed GEMM otherwise.
-at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& amx,
+// A projection as engine.model.linear.Linear.matmul runs it: a decode's few rows on the decode GEMM of the
+// weight's packing where it has one (never with a bias; amx_linear for bf16, f32_linear for float32),
+// oneDNN's packed GEMM otherwise.
+at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& decode,
                    const c10::optional<at::Tensor>& bias) {
-  if (amx.has_value() && !bias.has_value() && x.size(0) <= kAmxLinearRows) return amx_linear(x, *amx);
+  if (decode.has_value() && !bias.has_value()) {
+    const bool bf16 = decode->scalar_type() == at::kBFloat16;
+    if (x.size(0) <= (bf16 ? kAmxLinearRows : kF32LinearRows)) return bf16 ? amx_linear(x, *decode) : f32_linear(x, *decode);
+  }
   return packed_linear(x, packed, bias);
 }
 
@@ -1853,7 +1979,7 @@ class DecoderStack {
       } else {
         fused_add_rms_norm(h, residual, w.input_norm, eps_);
       }
-      const at::Tensor qkv = project(h, w.qkv, w.qkv_amx, w.qkv_bias);
+      const at::Tensor qkv = project(h, w.qkv, w.qkv_decode, w.qkv_bias);
       at::Tensor qk = qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads_ + num_kv_heads_, head_dim_});
       rotary_embedding(qk, cos, sin);
       at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
@@ -1871,9 +1997,9 @@ class DecoderStack {
       } else {
         attn = out;
       }
-      h = project(attn.reshape({t, q_size}), w.o, w.o_amx, w.o_bias);
+      h = project(attn.reshape({t, q_size}), w.o, w.o_decode, w.o_bias);
       fused_add_rms_norm(h, residual, w.post_norm, eps_);
-      h = project(silu_and_mul(project(h, w.gate_up, w.gate_up_amx, w.gate_up_bias)), w.down, w.down_amx,
+      h = project(silu_and_mul(project(h, w.gate_up, w.gate_up_decode, w.gate_up_bias)), w.down, w.down_decode,
                   w.down_bias);
     }
     fused_add_rms_norm(h, residual, final_norm_, eps_);
@@ -1906,6 +2032,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear_supported", &amx_linear_supported, "Whether amx_linear runs here (this build, CPU and OS)");
   m.def("amx_linear", &amx_linear, "x [M, K] W^T on AMX tiles (bf16), W from amx_pack_weight", py::arg("x"),
         py::arg("packed"));
+  m.def("f32_pack_weight", &f32_pack_weight, "A float32 weight [N, K] in f32_linear's column blocks",
+        py::arg("weight"));
+  m.def("f32_linear_supported", &f32_linear_supported, "Whether f32_linear runs here (the AVX2 build)");
+  m.def("f32_linear", &f32_linear, "x [M, K] W^T in float32 for a decode's rows, W from f32_pack_weight",
+        py::arg("x"), py::arg("packed"));
   m.def("argmax_rows", &argmax_rows, "Index of each row's maximum (first on ties, first NaN if any), as torch.argmax",
         py::arg("x"));
   py::class_<LayerWeights>(m, "LayerWeights")
@@ -1915,8 +2046,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     c10::optional<at::Tensor>>(),
            py::arg("input_norm"), py::arg("qkv"), py::arg("o"), py::arg("post_norm"), py::arg("gate_up"),
            py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"),
-           py::arg("qkv_amx") = py::none(), py::arg("o_amx") = py::none(), py::arg("gate_up_amx") = py::none(),
-           py::arg("down_amx") = py::none());
+           py::arg("qkv_decode") = py::none(), py::arg("o_decode") = py::none(), py::arg("gate_up_decode") = py::none(),
+           py::arg("down_decode") = py::none());
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<std::vector<LayerWeights>, at::Tensor, double, int64_t, int64_t, int64_t, double>(),
            py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("num_heads"), py::arg("num_kv_heads"),
@@ -1930,4 +2061,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_in_use", &amx_in_use, "Whether bf16 prefill scores use AMX tiles now");
   m.attr("vector_width") = W;
   m.attr("amx_linear_rows") = kAmxLinearRows;
+  m.attr("f32_linear_rows") = kF32LinearRows;
 }
