@@ -240,17 +240,22 @@ class CpuKernels:
 
     def decode_weight(self, weight: Tensor) -> DecodeWeight | None:
         """``weight [N, K]`` packed for this build's decode GEMM, which runs a decode's few rows faster than
-        oneDNN's packed GEMM where it runs at all: ``amx_linear`` for bf16 (N and K multiples of 32, the
-        AVX512-BF16 build on a CPU and OS with AMX tiles), ``f32_linear`` for float32 (N a multiple of 16, the
-        AVX2 build). None elsewhere."""
+        oneDNN's packed GEMM where it runs at all: for bf16, ``amx_linear`` (N and K multiples of 32, the
+        AVX512-BF16 build on a CPU and OS with AMX tiles, not capped off) or else ``bf16_linear`` (N a multiple
+        of 32, K even, the AVX512-BF16 build); for float32, ``f32_linear`` (N a multiple of 16, the AVX2
+        build). None elsewhere."""
         if weight.dim() != 2:
             return None
         if weight.dtype == torch.bfloat16:
-            if (not self.amx or weight.shape[0] % 32 or weight.shape[1] % 32
-                    or not getattr(self.ext, "amx_linear_supported", lambda: False)()):
+            if (self.amx and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
+                    and getattr(self.ext, "amx_linear_supported", lambda: False)()):
+                return DecodeWeight(self.ext.amx_pack_weight(weight.detach()), self.ext.amx_linear,
+                                    int(self.ext.amx_linear_rows))
+            if (weight.shape[0] % 32 or weight.shape[1] % 2
+                    or not getattr(self.ext, "bf16_linear_supported", lambda: False)()):
                 return None
-            return DecodeWeight(self.ext.amx_pack_weight(weight.detach()), self.ext.amx_linear,
-                                int(self.ext.amx_linear_rows))
+            return DecodeWeight(self.ext.bf16_pack_weight(weight.detach()), self.ext.bf16_linear,
+                                int(self.ext.bf16_linear_rows))
         if weight.dtype == torch.float32:
             if weight.shape[0] % 16 or not getattr(self.ext, "f32_linear_supported", lambda: False)():
                 return None

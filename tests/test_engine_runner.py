@@ -165,7 +165,8 @@ def test_kv_pools_are_head_major_blocks_seen_token_major(tmp_path: Path) -> None
 
 def test_the_slow_row_probe_runs_once_per_machine_and_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A second engine of the same model, dtype and threads takes the first one's probe decision from the
-    cache directory instead of running the linears again; another thread count probes anew."""
+    cache directory instead of running the linears again; another thread count probes anew. (The torch
+    attention backend: its decodes stay on oneDNN, where the C++ build's GEMM would skip the probe.)"""
     from engine.model.llama import LlamaForCausalLM
 
     monkeypatch.setenv("CHATSVC_CACHE_DIR", str(tmp_path / "cache"))
@@ -180,25 +181,30 @@ def test_the_slow_row_probe_runs_once_per_machine_and_model(tmp_path: Path, monk
     monkeypatch.setattr(LlamaForCausalLM, "run_linears", counted)
     threads = torch.get_num_threads()
     try:
-        first = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=16)
+        first = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn",
+                                    attention_backend="torch", num_kv_blocks=16)
         probed = len(passes)
-        second = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=16)
+        second = LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn",
+                                     attention_backend="torch", num_kv_blocks=16)
         assert probed >= 2 and len(passes) == probed
         assert second.runner.slow_rows == first.runner.slow_rows
         torch.set_num_threads(1 if threads > 1 else 2)
-        LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn", num_kv_blocks=16)
+        LLMEngine.from_args(model_dir, dtype="float32", linear_backend="onednn",
+                            attention_backend="torch", num_kv_blocks=16)
         assert len(passes) > probed
     finally:
         torch.set_num_threads(threads)
     assert len(json.loads((tmp_path / "cache" / "gemm_probes.json").read_text())) == 2
 
 
-def test_no_slow_row_probe_where_a_decode_runs_on_the_amx_gemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 on a CPU with AMX: a decode's rows take amx_linear, which has no slow row band to pad out of."""
+def test_no_slow_row_probe_where_a_decode_runs_on_the_kernels_gemm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 in the AVX512-BF16 build: a decode's rows take amx_linear or bf16_linear, which have no slow row
+    band to pad out of."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no native bf16 here: the linears are not packed")
     monkeypatch.setenv("CHATSVC_CACHE_DIR", str(tmp_path / "cache"))
     engine = LLMEngine.from_args(make_tiny_model_dir(tmp_path / "m"), dtype="bfloat16", num_kv_blocks=16)
-    amx = engine.runner.model.lm_head_decode is not None
-    assert amx == (" amx_bf16" in Path("/proc/cpuinfo").read_text())
-    assert (engine.runner.slow_rows is None) if amx else (tmp_path / "cache" / "gemm_probes.json").exists()
+    ext = getattr(engine.runner.model.backend, "ext", None)
+    decode = ext is not None and bool(ext.amx_linear_supported() or ext.bf16_linear_supported())
+    assert (engine.runner.model.lm_head_decode is not None) == decode
+    assert (engine.runner.slow_rows is None) if decode else (tmp_path / "cache" / "gemm_probes.json").exists()

@@ -175,6 +175,27 @@ def test_amx_linear_matches_the_oracle_and_onednn(gen: torch.Generator, rows: in
     assert ((out.double() - onednn.double()).abs() <= 2 * ulp).all()
 
 
+@pytest.mark.skipif("avx512bf16" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 5, 11, 12, 13, 24, 25, 64, 100, 128])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (3072, 576), (32, 2), (64, 6)])
+def test_bf16_linear_matches_the_oracle_and_onednn(gen: torch.Generator, rows: int, n: int, k: int) -> None:
+    """A decode's rows on vdpbf16ps without AMX: every row-tile height (1-12 rows, and their mixes), each output
+    within a bf16 rounding of the float64 product and of oneDNN's, strided inputs too."""
+    from engine.model.linear import pack_weight, packed_linear
+
+    ext = cpu_kernels.load_extension("avx512bf16")
+    assert ext.bf16_linear_supported()
+    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 2 * k, generator=gen).to(torch.bfloat16)[:, ::2]  # strided rows
+    out = ext.bf16_linear(x, ext.bf16_pack_weight(weight))
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T
+    ulp = exact.abs() * 2.0**-8 + 1e-4 * k**0.5  # half a bf16 step of the result, and float32 sums' error
+    assert ((out.double() - exact).abs() <= ulp).all()
+    onednn = packed_linear(x.contiguous(), pack_weight(weight), None)
+    assert ((out.double() - onednn.double()).abs() <= 2 * ulp).all()
+
+
 @pytest.mark.skipif("avx2" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX2")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 32, 64, 100, 128])
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (3072, 576), (16, 3), (48, 1)])
@@ -224,10 +245,18 @@ def test_amx_linear_refuses_what_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="K inputs"):
         ext.amx_linear(torch.zeros(2, 64, dtype=torch.bfloat16),
                        ext.amx_pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16)))
+    with pytest.raises(RuntimeError, match="multiple of 32 and K even"):
+        ext.bf16_pack_weight(torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K inputs"):
+        ext.bf16_linear(torch.zeros(2, 64, dtype=torch.bfloat16),
+                        ext.bf16_pack_weight(torch.zeros(32, 32, dtype=torch.bfloat16)))
     backend = cpu_kernels.CpuKernels("avx512bf16")
     assert backend.decode_weight(torch.zeros(32, 32)) is None  # float32 stays on oneDNN
-    expected = _cpu_has_amx_bf16() and cpu_kernels.amx_allowed()
-    assert (backend.decode_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None) == expected
+    amx = _cpu_has_amx_bf16() and cpu_kernels.amx_allowed()
+    packed = backend.decode_weight(torch.zeros(32, 32, dtype=torch.bfloat16))
+    assert packed is not None and packed.run is (backend.ext.amx_linear if amx else backend.ext.bf16_linear)
+    odd = backend.decode_weight(torch.zeros(32, 48, dtype=torch.bfloat16))  # K not a whole AMX tile
+    assert odd is not None and odd.run is backend.ext.bf16_linear
 
 
 @pytest.mark.parametrize(("cap", "allowed"), [(None, True), ("AVX512_CORE_AMX", True), ("avx512_core_amx_fp16", True),
@@ -244,11 +273,12 @@ def test_amx_follows_the_onednn_isa_cap(monkeypatch: pytest.MonkeyPatch, cap: st
 def test_a_cap_below_amx_keeps_linears_and_prefill_off_the_tiles(monkeypatch: pytest.MonkeyPatch,
                                                                   gen: torch.Generator) -> None:
     """An AVX-512 CPU without AMX, emulated on one with it: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 keeps oneDNN
-    off the tiles, and the backend follows it (no AMX-packed linears, prefill scores on vdpbf16ps)."""
+    off the tiles, and the backend follows it (a decode's linears and prefill scores on vdpbf16ps)."""
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     backend = cpu_kernels.CpuKernels("avx512bf16")
     try:
-        assert backend.decode_weight(torch.zeros(32, 32, dtype=torch.bfloat16)) is None
+        packed = backend.decode_weight(torch.zeros(32, 32, dtype=torch.bfloat16))
+        assert packed is not None and packed.run is backend.ext.bf16_linear  # vdpbf16ps, not the tiles
         assert not backend.ext.amx_in_use()
         p = make_problem([40, 300], [40, 8], block_size=16, group=3, dtype=torch.bfloat16, generator=gen)
         _check(p, _prefill(p), torch.bfloat16)

@@ -171,14 +171,34 @@ def test_chat_api_answers(llm: LLM) -> None:
     assert "Paris" in out.outputs[0].text
 
 
-def test_bfloat16_logprobs_track_float32(llm: LLM, prompts: list[list[int]]) -> None:
+@pytest.mark.parametrize("amx_cap", [None, "AVX512_CORE_BF16"])
+def test_bfloat16_logprobs_track_float32(llm: LLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch,
+                                         amx_cap: str | None) -> None:
     """bfloat16 (the fast CPU path) is not bit-exact, but its next-token distribution must stay close:
-    the float32 choice is among bfloat16's top 2 and most of the top 5 agree.
+    the float32 choice is among bfloat16's top 2 and most of the top 5 agree. Also with the kernels capped
+    below AMX (``amx_cap``): the LM head and the projections of prompts up to 128 tokens then run on
+    bf16_linear (vdpbf16ps), as on an AVX-512 CPU without AMX.
 
     Ranks count ties as equal: bfloat16 logits near 20 are 0.125 apart, so tokens that float32 puts within
     a few hundredths of each other often tie exactly in bfloat16, and which of them comes first then is
     the order of the tie, not of the model."""
+    if amx_cap is not None:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", amx_cap)
     bf16 = LLM(dtype="bfloat16", num_kv_blocks=128)
+    ext = getattr(bf16.engine.runner.model.backend, "ext", None)
+    if amx_cap is not None:
+        if ext is None or not ext.bf16_linear_supported():
+            pytest.skip("needs the AVX512-BF16 build")
+        head = bf16.engine.runner.model.lm_head_decode
+        assert head is not None and head.run is ext.bf16_linear
+    try:
+        _bf16_tracks_float32(llm, bf16, prompts)
+    finally:
+        if ext is not None:
+            ext.set_amx(True)  # the cap turned the tiles off process-wide
+
+
+def _bf16_tracks_float32(llm: LLM, bf16: LLM, prompts: list[list[int]]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     for ids in prompts:
         ref = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].outputs[0]

@@ -273,18 +273,19 @@ def test_the_layers_stay_modules_where_a_piece_has_no_cpp_form(tiny_dirs: dict[s
 
 
 def test_projections_take_the_decode_gemm_of_the_build_where_it_runs_here(tiny_dirs: dict[str, Path]) -> None:
-    """Every bias-free projection and the LM head get an AMX pack in bf16 on a CPU with AMX (the C++ kernels),
-    and a float32 pack only in the AVX2 build; a projection with a bias (qwen2's Q/K/V) stays on oneDNN."""
+    """Every bias-free projection and the LM head get a second pack in bf16 in the AVX512-BF16 build (AMX tiles
+    or vdpbf16ps), and in float32 only in the AVX2 build; a projection with a bias (qwen2's Q/K/V) stays on
+    oneDNN."""
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no native bf16 here: the linears are not packed")
     for arch in ("llama", "qwen2"):
         model = load_model(str(tiny_dirs[arch]), dtype=torch.bfloat16).model
         ext = getattr(model.backend, "ext", None)
-        amx = ext is not None and bool(ext.amx_linear_supported())
+        bf16 = ext is not None and bool(ext.amx_linear_supported() or ext.bf16_linear_supported())
         for module in model.modules():
             if isinstance(module, Linear):
-                assert (module.decode is not None) == (amx and module.bias is None)
-        assert (model.lm_head_decode is not None) == amx
+                assert (module.decode is not None) == (bf16 and module.bias is None)
+        assert (model.lm_head_decode is not None) == bf16
     model = load_model(str(tiny_dirs["llama"]), dtype=torch.float32).model
     ext = getattr(model.backend, "ext", None)
     f32 = ext is not None and bool(ext.f32_linear_supported())  # the AVX2 build's float32 decode GEMM

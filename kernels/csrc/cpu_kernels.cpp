@@ -1560,6 +1560,135 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed) {
 #endif
 }
 
+// ---- bf16 linear (AVX512-BF16 decode GEMMs without AMX) -----------------------------------------------
+//
+// f32_linear's scheme for bf16 with vdpbf16ps, in the AVX512-BF16 build where AMX tiles are absent or capped
+// off: a column block is 32 columns x K inputs, as [K / 2][32][2] so one input pair of 16 columns is one
+// 64-byte line and one dpbf16 operand; up to 12 rows of x pass over it in register tiles (24 accumulators,
+// two weight vectors and one broadcast input pair), and the first pass asks for the next block. Products
+// of bf16 are exact in float32 and sums run in float32, as in oneDNN's bf16 GEMM; results round to bf16.
+// The weight is packed once (bf16_pack_weight) as [N / 32][K / 2][32][2] bf16.
+constexpr int64_t kBf16LinearRows = 128;
+
+at::Tensor bf16_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(0) % 32 == 0 &&
+                  weight.size(1) % 2 == 0,
+              "bf16_pack_weight: a bf16 weight [N, K] with N a multiple of 32 and K even");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  return weight.reshape({n / 32, 32, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+#if defined(__AVX512BF16__)
+// Rows [0, R) of y's 32 columns at y (row stride n) from rows [0, R) of x (row stride k) and the column block
+// w [k / 2][32][2]; ahead: the next block, asked for two lines per input pair (nullptr: nothing to ask for).
+template <int R>
+inline void bf16_tile(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t k, int64_t n,
+                      const char* ahead) {
+  __m512 c0a = _mm512_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a, c3a = c0a, c3b = c0a,
+         c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a, c6a = c0a, c6b = c0a, c7a = c0a, c7b = c0a, c8a = c0a,
+         c8b = c0a, c9a = c0a, c9b = c0a, c10a = c0a, c10b = c0a, c11a = c0a, c11b = c0a;
+  const int64_t pairs = k / 2;
+  const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // input pair j of row r: xi[r * pairs + j]
+  for (int64_t j = 0; j < pairs; ++j) {
+    if (ahead != nullptr) {
+      _mm_prefetch(ahead + j * 128, _MM_HINT_T1);
+      _mm_prefetch(ahead + j * 128 + 64, _MM_HINT_T1);
+    }
+    const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * 64));
+    const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * 64 + 32));
+#define CHATSVC_BF16_ROW(r)                                                               \
+  if constexpr (R > r) {                                                                  \
+    const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xi[r * pairs + j]));  \
+    c##r##a = _mm512_dpbf16_ps(c##r##a, a, b0);                                           \
+    c##r##b = _mm512_dpbf16_ps(c##r##b, a, b1);                                           \
+  }
+    CHATSVC_BF16_ROW(0)
+    CHATSVC_BF16_ROW(1)
+    CHATSVC_BF16_ROW(2)
+    CHATSVC_BF16_ROW(3)
+    CHATSVC_BF16_ROW(4)
+    CHATSVC_BF16_ROW(5)
+    CHATSVC_BF16_ROW(6)
+    CHATSVC_BF16_ROW(7)
+    CHATSVC_BF16_ROW(8)
+    CHATSVC_BF16_ROW(9)
+    CHATSVC_BF16_ROW(10)
+    CHATSVC_BF16_ROW(11)
+#undef CHATSVC_BF16_ROW
+  }
+#define CHATSVC_BF16_STORE(r)                                                                         \
+  if constexpr (R > r) {                                                                              \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n), (__m256i)_mm512_cvtneps_pbh(c##r##a));      \
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + 16), (__m256i)_mm512_cvtneps_pbh(c##r##b)); \
+  }
+  CHATSVC_BF16_STORE(0)
+  CHATSVC_BF16_STORE(1)
+  CHATSVC_BF16_STORE(2)
+  CHATSVC_BF16_STORE(3)
+  CHATSVC_BF16_STORE(4)
+  CHATSVC_BF16_STORE(5)
+  CHATSVC_BF16_STORE(6)
+  CHATSVC_BF16_STORE(7)
+  CHATSVC_BF16_STORE(8)
+  CHATSVC_BF16_STORE(9)
+  CHATSVC_BF16_STORE(10)
+  CHATSVC_BF16_STORE(11)
+#undef CHATSVC_BF16_STORE
+}
+
+// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T.
+void bf16_linear_blocks(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t m, int64_t k,
+                        int64_t n, int64_t b0, int64_t b1) {
+  using Tile = void (*)(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t, const char*);
+  static constexpr Tile tiles[] = {bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>,  bf16_tile<5>,  bf16_tile<6>,
+                                   bf16_tile<7>, bf16_tile<8>, bf16_tile<9>, bf16_tile<10>, bf16_tile<11>, bf16_tile<12>};
+  for (int64_t b = b0; b < b1; ++b) {
+    const c10::BFloat16* wb = w + b * k * 32;
+    const char* ahead = b + 1 < b1 ? reinterpret_cast<const char*>(wb + k * 32) : nullptr;
+    for (int64_t r = 0; r < m;) {
+      const int64_t rows = std::min<int64_t>(m - r, 12);
+      tiles[rows - 1](x + r * k, wb, y + r * n + b * 32, k, n, ahead);
+      r += rows;
+      ahead = nullptr;  // asked for in the first pass; later passes find it in L2
+    }
+  }
+}
+#endif
+
+bool bf16_linear_supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y [M, N] = x [M, K] W^T in bf16 (float32 sums), W packed by bf16_pack_weight (N = 32 * its first dimension).
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
+  const char* what = "bf16_linear (cpu)";
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.size(2) == 32 &&
+                  x.size(1) == packed.size(1) * 2,
+              what, ": x [M, K] bf16 and a weight from bf16_pack_weight with K inputs");
+#if defined(__AVX512BF16__)
+  const at::Tensor xs = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), n = blocks * 32;
+  at::Tensor y = at::empty({m, n}, x.options());
+  const auto* xp = xs.data_ptr<c10::BFloat16>();
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      bf16_linear_blocks(xp, wp, yp, m, k, n, blocks * t / threads, blocks * (t + 1) / threads);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, what, ": only the AVX512-BF16 build has it");
+#endif
+}
+
 // Whether bf16 prefill scores may use AMX tiles; returns whether they now will (the CPU and OS allowing).
 bool set_amx(bool enable) {
 #if defined(__AVX512BF16__)
@@ -1937,13 +2066,18 @@ struct LayerWeights {
 };
 
 // A projection as engine.model.linear.Linear.matmul runs it: a decode's few rows on the decode GEMM of the
-// weight's packing where it has one (never with a bias; amx_linear for bf16, f32_linear for float32),
-// oneDNN's packed GEMM otherwise.
+// weight's packing where it has one (never with a bias; amx_linear or bf16_linear for bf16, f32_linear for
+// float32), oneDNN's packed GEMM otherwise.
 at::Tensor project(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& decode,
                    const c10::optional<at::Tensor>& bias) {
   if (decode.has_value() && !bias.has_value()) {
-    const bool bf16 = decode->scalar_type() == at::kBFloat16;
-    if (x.size(0) <= (bf16 ? kAmxLinearRows : kF32LinearRows)) return bf16 ? amx_linear(x, *decode) : f32_linear(x, *decode);
+    if (decode->dim() == 6) {  // amx_pack_weight's tiles
+      if (x.size(0) <= kAmxLinearRows) return amx_linear(x, *decode);
+    } else if (decode->scalar_type() == at::kBFloat16) {
+      if (x.size(0) <= kBf16LinearRows) return bf16_linear(x, *decode);
+    } else if (x.size(0) <= kF32LinearRows) {
+      return f32_linear(x, *decode);
+    }
   }
   return packed_linear(x, packed, bias);
 }
@@ -2037,6 +2171,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("f32_linear_supported", &f32_linear_supported, "Whether f32_linear runs here (the AVX2 build)");
   m.def("f32_linear", &f32_linear, "x [M, K] W^T in float32 for a decode's rows, W from f32_pack_weight",
         py::arg("x"), py::arg("packed"));
+  m.def("bf16_pack_weight", &bf16_pack_weight, "A bf16 weight [N, K] in bf16_linear's column blocks",
+        py::arg("weight"));
+  m.def("bf16_linear_supported", &bf16_linear_supported, "Whether bf16_linear runs here (the AVX512-BF16 build)");
+  m.def("bf16_linear", &bf16_linear, "x [M, K] W^T in bf16 (float32 sums) for a decode's rows without AMX",
+        py::arg("x"), py::arg("packed"));
   m.def("argmax_rows", &argmax_rows, "Index of each row's maximum (first on ties, first NaN if any), as torch.argmax",
         py::arg("x"));
   py::class_<LayerWeights>(m, "LayerWeights")
@@ -2062,4 +2201,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("vector_width") = W;
   m.attr("amx_linear_rows") = kAmxLinearRows;
   m.attr("f32_linear_rows") = kF32LinearRows;
+  m.attr("bf16_linear_rows") = kBf16LinearRows;
 }
