@@ -154,46 +154,35 @@ def test_bf16_prefill_with_and_without_amx_tiles(monkeypatch: pytest.MonkeyPatch
     _check(p, with_tiles, dtype)
 
 
-@pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="needs a CPU with AMX-BF16")
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 64, 100, 128])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (3072, 576), (64, 32)])
-def test_amx_linear_matches_the_oracle_and_onednn(gen: torch.Generator, rows: int, n: int, k: int) -> None:
-    """A decode's rows on AMX tiles: each output within a bf16 rounding of the float64 product, and of oneDNN's
-    (the same products, float32 sums in another order); row counts past whole tiles and strided inputs too."""
+def _assert_bf16_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out`` is ``x weight^T`` in bf16: each output within a bf16 rounding of the float64 product, and of
+    oneDNN's (the same products, float32 sums in another order)."""
     from engine.model.linear import pack_weight, packed_linear
 
-    ext = cpu_kernels.load_extension("avx512bf16")
-    assert ext.amx_linear_supported()
-    weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-    x = torch.randn(rows, 2 * k, generator=gen).to(torch.bfloat16)[:, ::2]  # strided rows
-    out = ext.amx_linear(x, ext.amx_pack_weight(weight))
-    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == torch.bfloat16
     exact = x.double() @ weight.double().T
-    ulp = exact.abs() * 2.0**-8 + 1e-4 * k**0.5  # half a bf16 step of the result, and float32 sums' error
+    ulp = exact.abs() * 2.0**-8 + 1e-4 * x.shape[1] ** 0.5  # half a bf16 step of the result, and float32 sums' error
     assert ((out.double() - exact).abs() <= ulp).all()
     onednn = packed_linear(x.contiguous(), pack_weight(weight), None)
     assert ((out.double() - onednn.double()).abs() <= 2 * ulp).all()
 
 
 @pytest.mark.skipif("avx512bf16" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX512-BF16")
-@pytest.mark.parametrize("rows", [1, 5, 11, 12, 13, 24, 25, 64, 100, 128])
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (3072, 576), (32, 2), (64, 6)])
-def test_bf16_linear_matches_the_oracle_and_onednn(gen: torch.Generator, rows: int, n: int, k: int) -> None:
-    """A decode's rows on vdpbf16ps without AMX: every row-tile height (1-12 rows, and their mixes), each output
-    within a bf16 rounding of the float64 product and of oneDNN's, strided inputs too."""
-    from engine.model.linear import pack_weight, packed_linear
-
+@pytest.mark.parametrize("kernel", ["amx", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5, 11, 12, 13, 15, 16, 17, 25, 32, 33, 64, 100, 128])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (576, 1536), (3072, 576), (64, 32), (32, 6)])
+def test_bf16_decode_gemms_match_the_oracle_and_onednn(gen: torch.Generator, kernel: str, rows: int, n: int,
+                                                       k: int) -> None:
+    """A decode's rows on AMX tiles (amx_linear) or on vdpbf16ps (bf16_linear): row counts past whole tiles
+    (16 rows for AMX, 1-12 and their mixes for vdpbf16ps) and strided inputs, against float64 and oneDNN."""
+    if kernel == "amx" and (not _cpu_has_amx_bf16() or k % 32):
+        pytest.skip("amx_linear needs a CPU with AMX-BF16 and K a multiple of 32")
     ext = cpu_kernels.load_extension("avx512bf16")
-    assert ext.bf16_linear_supported()
+    assert getattr(ext, f"{kernel}_linear_supported")()
     weight = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, 2 * k, generator=gen).to(torch.bfloat16)[:, ::2]  # strided rows
-    out = ext.bf16_linear(x, ext.bf16_pack_weight(weight))
-    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    exact = x.double() @ weight.double().T
-    ulp = exact.abs() * 2.0**-8 + 1e-4 * k**0.5  # half a bf16 step of the result, and float32 sums' error
-    assert ((out.double() - exact).abs() <= ulp).all()
-    onednn = packed_linear(x.contiguous(), pack_weight(weight), None)
-    assert ((out.double() - onednn.double()).abs() <= 2 * ulp).all()
+    out = getattr(ext, f"{kernel}_linear")(x, getattr(ext, f"{kernel}_pack_weight")(weight))
+    _assert_bf16_product(out, x, weight)
 
 
 @pytest.mark.skipif("avx2" not in cpu_kernels.testable_isas(), reason="needs a CPU with AVX2")

@@ -1334,6 +1334,16 @@ constexpr int64_t kAmxLinearRows = 128;
 // more ahead. Into L1 (prefetcht0), or 8-16 KiB ahead, reads the weights 10-30% slower.
 constexpr int64_t kAmxLinearAhead = 65536;
 
+// Runs a decode GEMM's column blocks [0, blocks) as one contiguous run per thread: each thread then streams
+// its share of the weight in address order.
+template <typename Run>
+void per_thread_blocks(int64_t blocks, const Run& run) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) run(blocks * t / threads, blocks * (t + 1) / threads);
+  });
+}
+
 at::Tensor amx_pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(0) % 32 == 0 &&
                   weight.size(1) % 32 == 0,
@@ -1426,12 +1436,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed) {
   const auto* xp = xs.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), pairs);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      amx_linear_pairs(xp, wp, yp, m, rows16, k, n, pairs * t / threads, pairs * (t + 1) / threads);
-    }
-  });
+  per_thread_blocks(pairs, [&](int64_t b0, int64_t b1) { amx_linear_pairs(xp, wp, yp, m, rows16, k, n, b0, b1); });
   return y;
 #else
   TORCH_CHECK(false, what, ": built without AMX (the AVX512-BF16 build has it)");
@@ -1548,12 +1553,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed) {
   const float* xp = xs.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      f32_linear_blocks(xp, wp, yp, m, k, n, blocks * t / threads, blocks * (t + 1) / threads);
-    }
-  });
+  per_thread_blocks(blocks, [&](int64_t b0, int64_t b1) { f32_linear_blocks(xp, wp, yp, m, k, n, b0, b1); });
   return y;
 #else
   TORCH_CHECK(false, what, ": only the AVX2 build has it");
@@ -1677,12 +1677,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
   const auto* xp = xs.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      bf16_linear_blocks(xp, wp, yp, m, k, n, blocks * t / threads, blocks * (t + 1) / threads);
-    }
-  });
+  per_thread_blocks(blocks, [&](int64_t b0, int64_t b1) { bf16_linear_blocks(xp, wp, yp, m, k, n, b0, b1); });
   return y;
 #else
   TORCH_CHECK(false, what, ": only the AVX512-BF16 build has it");
