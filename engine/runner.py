@@ -178,8 +178,8 @@ class ModelRunner:
         self.pad_rows = model.lm_head_packed is not None
         # Row counts this CPU's packed GEMMs may run slower than a few rows more (engine.model.linear), padded
         # in every step (decode included) and at the LM head. Not under tensor parallelism: every rank must
-        # pad alike. Nor where a decode's rows run on the extension's GEMM (amx_linear, f32_linear), which has
-        # no such band: padded from 32 to 33 rows, it would only multiply more rows.
+        # pad alike. Nor where a decode's rows run on the extension's GEMM (amx_linear, bf16_linear, f32_linear),
+        # which has no such band: padded from 32 to 33 rows, it would only multiply more rows.
         probe = self.pad_rows and model.tp is None and device.type == "cpu" and model.lm_head_decode is None
         self.slow_rows = (remembered_probe(cache_dir() / "gemm_probes.json", probe_key(model, dtype),
                                            lambda: probe_slow_rows(model.run_linears)) if probe else None)

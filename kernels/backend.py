@@ -17,8 +17,8 @@ from torch import Tensor
 @dataclass(frozen=True)
 class DecodeWeight:
     """A projection's weight packed for a backend's decode GEMM (``run(x, packed)``), which a decode's rows (up
-    to ``max_rows``) run on instead of oneDNN's: see kernels/csrc/cpu_kernels.cpp, amx_linear (bf16) and
-    f32_linear (float32)."""
+    to ``max_rows``) run on instead of oneDNN's: see kernels/csrc/cpu_kernels.cpp, amx_linear and
+    bf16_linear (bf16), f32_linear (float32)."""
 
     packed: Tensor
     run: Callable[[Tensor, Tensor], Tensor]
@@ -145,4 +145,4 @@ class AttentionBackend(Protocol):
         such kernel (``no_layer_stack``)."""
 
 
-__all__ = ["DecodeWeight", "AttentionBackend", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "no_layer_stack"]
+__all__ = ["AttentionBackend", "DecodeWeight", "LayerStack", "ModelOps", "StackShape", "StackedLayer", "no_layer_stack"]

@@ -246,22 +246,23 @@ class CpuKernels:
         build). None elsewhere."""
         if weight.dim() != 2:
             return None
+        n, k = weight.shape
         if weight.dtype == torch.bfloat16:
-            if (self.amx and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0
-                    and getattr(self.ext, "amx_linear_supported", lambda: False)()):
-                return DecodeWeight(self.ext.amx_pack_weight(weight.detach()), self.ext.amx_linear,
-                                    int(self.ext.amx_linear_rows))
-            if (weight.shape[0] % 32 or weight.shape[1] % 2
-                    or not getattr(self.ext, "bf16_linear_supported", lambda: False)()):
-                return None
-            return DecodeWeight(self.ext.bf16_pack_weight(weight.detach()), self.ext.bf16_linear,
-                                int(self.ext.bf16_linear_rows))
+            if self.amx and n % 32 == 0 and k % 32 == 0 and self._runs("amx"):
+                return self._decode_pack("amx", weight)
+            return self._decode_pack("bf16", weight) if n % 32 == 0 and k % 2 == 0 and self._runs("bf16") else None
         if weight.dtype == torch.float32:
-            if weight.shape[0] % 16 or not getattr(self.ext, "f32_linear_supported", lambda: False)():
-                return None
-            return DecodeWeight(self.ext.f32_pack_weight(weight.detach()), self.ext.f32_linear,
-                                int(self.ext.f32_linear_rows))
+            return self._decode_pack("f32", weight) if n % 16 == 0 and self._runs("f32") else None
         return None
+
+    def _runs(self, kernel: str) -> bool:
+        """Whether ``<kernel>_linear`` runs here (an extension from another commit may lack it)."""
+        return bool(getattr(self.ext, f"{kernel}_linear_supported", lambda: False)())
+
+    def _decode_pack(self, kernel: str, weight: Tensor) -> DecodeWeight:
+        ext = self.ext
+        return DecodeWeight(getattr(ext, f"{kernel}_pack_weight")(weight.detach()), getattr(ext, f"{kernel}_linear"),
+                            int(getattr(ext, f"{kernel}_linear_rows")))
 
     def layer_stack(self, layers: Sequence[StackedLayer], final_norm: Tensor, shape: StackShape) -> LayerStack | None:
         """The C++ ``DecoderStack`` over ``layers``: each layer's ops as the modules run them, through these

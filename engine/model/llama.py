@@ -212,8 +212,8 @@ class LlamaForCausalLM(nn.Module):
         Call after load_weights, once the weights are final.
         """
         self.stack = None  # built on the packs it replaces: fuse_layers again after
-        # The backend's decode GEMM for a decode's rows, where it has one that runs here (bf16 on an AMX CPU,
-        # float32 in the AVX2 build).
+        # The backend's decode GEMM for a decode's rows, where it has one that runs here (bf16 in the AVX512-BF16
+        # build, float32 in the AVX2 build).
         decode_weight = typing.cast("typing.Callable[[Tensor], DecodeWeight | None] | None",
                                     getattr(self.backend, "decode_weight", None))
         for module in self.modules():
