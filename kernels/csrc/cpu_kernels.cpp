@@ -1334,13 +1334,46 @@ constexpr int64_t kAmxLinearRows = 128;
 // more ahead. Into L1 (prefetcht0), or 8-16 KiB ahead, reads the weights 10-30% slower.
 constexpr int64_t kAmxLinearAhead = 65536;
 
-// Runs a decode GEMM's column blocks [0, blocks) as one contiguous run per thread: each thread then streams
-// its share of the weight in address order.
+// Runs a decode GEMM's column blocks [0, blocks) as run(b0, b1, ahead_end): blocks [b0, b1), whose kernel may ask
+// for the weights of the blocks after b1 up to ahead_end. Each thread owns one contiguous run of the blocks and
+// walks it from the front in address order (its stream of the weight, asked for ahead); a thread done with its
+// own run takes blocks from the back of another's. An even split alone left one thread idle for a sixth of an
+// output projection: on a 2-core VM the two cores do not run at the same speed from one region to the next.
+// Each grab is a quarter of what is left of the run (at least one block), so what one thread may still be
+// running when the other finishes shrinks as the run does.
 template <typename Run>
 void per_thread_blocks(int64_t blocks, const Run& run) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks);
+  if (threads <= 1) {
+    if (blocks > 0) run(0, blocks, blocks);
+    return;
+  }
+  // Run t: blocks [front, back), packed as front | back << 32 so that one compare-exchange takes a range.
+  std::vector<std::atomic<uint64_t>> spans(threads);
+  for (int64_t t = 0; t < threads; ++t) {
+    spans[t].store(static_cast<uint64_t>(blocks * t / threads) | static_cast<uint64_t>(blocks * (t + 1) / threads) << 32);
+  }
+  // A quarter of what is left of run t, from its front (the owner) or its back (another thread).
+  auto take = [&](int64_t t, bool front, int64_t& b0, int64_t& b1, int64_t& ahead_end) {
+    uint64_t span = spans[t].load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t lo = static_cast<int64_t>(span & 0xFFFFFFFFu), hi = static_cast<int64_t>(span >> 32);
+      if (lo >= hi) return false;
+      const int64_t n = std::max<int64_t>(1, (hi - lo) / 4);
+      b0 = front ? lo : hi - n, b1 = front ? lo + n : hi, ahead_end = hi;
+      const uint64_t rest = front ? (static_cast<uint64_t>(b1) | static_cast<uint64_t>(hi) << 32)
+                                  : (static_cast<uint64_t>(lo) | static_cast<uint64_t>(b0) << 32);
+      if (spans[t].compare_exchange_weak(span, rest, std::memory_order_relaxed)) return true;
+    }
+  };
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) run(blocks * t / threads, blocks * (t + 1) / threads);
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t b0, b1, ahead_end;
+      while (take(t, true, b0, b1, ahead_end)) run(b0, b1, ahead_end);
+      for (int64_t i = 1; i < threads; ++i) {
+        while (take((t + i) % threads, false, b0, b1, ahead_end)) run(b0, b1, b1);
+      }
+    }
   });
 }
 
@@ -1354,10 +1387,11 @@ at::Tensor amx_pack_weight(const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 // Columns [32 p0, 32 p1) of y for rows [0, rows16) of x (rows16 a multiple of 16, rows past the real ones
-// zero); y's real rows (m) written in bf16.
+// zero); y's real rows (m) written in bf16. The weights are asked for ahead up to column pair ahead_end.
 __attribute__((target("amx-tile,amx-bf16"))) void amx_linear_pairs(const c10::BFloat16* x, const c10::BFloat16* w,
                                                                   c10::BFloat16* y, int64_t m, int64_t rows16,
-                                                                  int64_t k, int64_t n, int64_t p0, int64_t p1) {
+                                                                  int64_t k, int64_t n, int64_t p0, int64_t p1,
+                                                                  int64_t ahead_end) {
   static const TileConfig cfg = [] {
     TileConfig c;
     for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
@@ -1368,7 +1402,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_linear_pairs(const c10::BF
   const int64_t steps = k / 32, xstride = k * 2, pair_bytes = steps * 2048;
   const int64_t passes = (rows16 + 31) / 32, slice = (pair_bytes / (passes * steps) + 63) / 64 * 64;
   const char* wb = reinterpret_cast<const char*>(w);
-  const char* wend = wb + p1 * pair_bytes;
+  const char* wend = wb + ahead_end * pair_bytes;
   for (int64_t p = p0; p < p1; ++p) {
     const char* wp = wb + p * pair_bytes;
     const char* ask = wp + kAmxLinearAhead;  // asked for a slice per step, in every pass over the rows
@@ -1436,7 +1470,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed) {
   const auto* xp = xs.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  per_thread_blocks(pairs, [&](int64_t b0, int64_t b1) { amx_linear_pairs(xp, wp, yp, m, rows16, k, n, b0, b1); });
+  per_thread_blocks(pairs, [&](int64_t b0, int64_t b1, int64_t ahead_end) {
+    amx_linear_pairs(xp, wp, yp, m, rows16, k, n, b0, b1, ahead_end);
+  });
   return y;
 #else
   TORCH_CHECK(false, what, ": built without AMX (the AVX512-BF16 build has it)");
@@ -1507,12 +1543,12 @@ inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_
 #undef CHATSVC_F32_STORE
 }
 
-// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T.
+// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T; the weights of blocks up to ahead_end may be asked for.
 void f32_linear_blocks(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n, int64_t b0,
-                       int64_t b1) {
+                       int64_t b1, int64_t ahead_end) {
   for (int64_t b = b0; b < b1; ++b) {
     const float* wb = w + b * k * 16;
-    const char* ahead = b + 1 < b1 ? reinterpret_cast<const char*>(wb + k * 16) : nullptr;
+    const char* ahead = b + 1 < ahead_end ? reinterpret_cast<const char*>(wb + k * 16) : nullptr;
     for (int64_t r = 0; r < m;) {
       const float* xr = x + r * k;
       float* yr = y + r * n + b * 16;
@@ -1553,7 +1589,9 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed) {
   const float* xp = xs.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  per_thread_blocks(blocks, [&](int64_t b0, int64_t b1) { f32_linear_blocks(xp, wp, yp, m, k, n, b0, b1); });
+  per_thread_blocks(blocks, [&](int64_t b0, int64_t b1, int64_t ahead_end) {
+    f32_linear_blocks(xp, wp, yp, m, k, n, b0, b1, ahead_end);
+  });
   return y;
 #else
   TORCH_CHECK(false, what, ": only the AVX2 build has it");
@@ -1636,15 +1674,15 @@ inline void bf16_tile(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloa
 #undef CHATSVC_BF16_STORE
 }
 
-// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T.
+// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T; the weights of blocks up to ahead_end may be asked for.
 void bf16_linear_blocks(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t m, int64_t k,
-                        int64_t n, int64_t b0, int64_t b1) {
+                        int64_t n, int64_t b0, int64_t b1, int64_t ahead_end) {
   using Tile = void (*)(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t, const char*);
   static constexpr Tile tiles[] = {bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>,  bf16_tile<5>,  bf16_tile<6>,
                                    bf16_tile<7>, bf16_tile<8>, bf16_tile<9>, bf16_tile<10>, bf16_tile<11>, bf16_tile<12>};
   for (int64_t b = b0; b < b1; ++b) {
     const c10::BFloat16* wb = w + b * k * 32;
-    const char* ahead = b + 1 < b1 ? reinterpret_cast<const char*>(wb + k * 32) : nullptr;
+    const char* ahead = b + 1 < ahead_end ? reinterpret_cast<const char*>(wb + k * 32) : nullptr;
     for (int64_t r = 0; r < m;) {
       const int64_t rows = std::min<int64_t>(m - r, 12);
       tiles[rows - 1](x + r * k, wb, y + r * n + b * 32, k, n, ahead);
@@ -1677,7 +1715,9 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
   const auto* xp = xs.data_ptr<c10::BFloat16>();
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  per_thread_blocks(blocks, [&](int64_t b0, int64_t b1) { bf16_linear_blocks(xp, wp, yp, m, k, n, b0, b1); });
+  per_thread_blocks(blocks, [&](int64_t b0, int64_t b1, int64_t ahead_end) {
+    bf16_linear_blocks(xp, wp, yp, m, k, n, b0, b1, ahead_end);
+  });
   return y;
 #else
   TORCH_CHECK(false, what, ": only the AVX512-BF16 build has it");
