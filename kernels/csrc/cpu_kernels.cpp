@@ -1337,8 +1337,8 @@ constexpr int64_t kAmxLinearAhead = 65536;
 // Runs a decode GEMM's column blocks [0, blocks) as run(b0, b1, ahead_end): blocks [b0, b1), whose kernel may ask
 // for the weights of the blocks after b1 up to ahead_end. Each thread owns one contiguous run of the blocks and
 // walks it from the front in address order (its stream of the weight, asked for ahead); a thread done with its
-// own run takes blocks from the back of another's. An even split alone left one thread idle for a sixth of an
-// output projection: on a 2-core VM the two cores do not run at the same speed from one region to the next.
+// own run takes blocks from the back of another's. An even split alone left one thread waiting on the other in
+// every projection: on a 2-core VM the two cores do not run at the same speed from one region to the next.
 // Each grab is a quarter of what is left of the run (at least one block), so what one thread may still be
 // running when the other finishes shrinks as the run does.
 template <typename Run>
@@ -1375,6 +1375,29 @@ void per_thread_blocks(int64_t blocks, const Run& run) {
       }
     }
   });
+}
+
+// A register tile of f32_linear or bf16_linear: rows of x times one block of the packed weight (w), into y, the
+// next block's weights (ahead, or nullptr) asked for on the way.
+template <typename T>
+using DecodeTile = void (*)(const T* x, const T* w, T* y, int64_t k, int64_t n, const char* ahead);
+
+// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T, blocks of Cols columns stored one after another (k * Cols
+// values each), in passes of up to MaxRows rows (tiles[rows - 1]); the weights of blocks up to ahead_end may be
+// asked for, during a block's first pass (later passes find them in L2).
+template <int64_t Cols, typename T, size_t MaxRows>
+void decode_gemm_blocks(const DecodeTile<T> (&tiles)[MaxRows], const T* x, const T* w, T* y, int64_t m, int64_t k,
+                        int64_t n, int64_t b0, int64_t b1, int64_t ahead_end) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const T* wb = w + b * k * Cols;
+    const char* ahead = b + 1 < ahead_end ? reinterpret_cast<const char*>(wb + k * Cols) : nullptr;
+    for (int64_t r = 0; r < m;) {
+      const int64_t rows = std::min<int64_t>(m - r, MaxRows);
+      tiles[rows - 1](x + r * k, wb, y + r * n + b * Cols, k, n, ahead);
+      r += rows;
+      ahead = nullptr;
+    }
+  }
 }
 
 at::Tensor amx_pack_weight(const at::Tensor& weight) {
@@ -1543,29 +1566,8 @@ inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_
 #undef CHATSVC_F32_STORE
 }
 
-// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T; the weights of blocks up to ahead_end may be asked for.
-void f32_linear_blocks(const float* x, const float* w, float* y, int64_t m, int64_t k, int64_t n, int64_t b0,
-                       int64_t b1, int64_t ahead_end) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const float* wb = w + b * k * 16;
-    const char* ahead = b + 1 < ahead_end ? reinterpret_cast<const char*>(wb + k * 16) : nullptr;
-    for (int64_t r = 0; r < m;) {
-      const float* xr = x + r * k;
-      float* yr = y + r * n + b * 16;
-      const int64_t rows = std::min<int64_t>(m - r, 6);
-      switch (rows) {
-        case 6: f32_tile<6>(xr, wb, yr, k, n, ahead); break;
-        case 5: f32_tile<5>(xr, wb, yr, k, n, ahead); break;
-        case 4: f32_tile<4>(xr, wb, yr, k, n, ahead); break;
-        case 3: f32_tile<3>(xr, wb, yr, k, n, ahead); break;
-        case 2: f32_tile<2>(xr, wb, yr, k, n, ahead); break;
-        default: f32_tile<1>(xr, wb, yr, k, n, ahead); break;
-      }
-      r += rows;
-      ahead = nullptr;  // asked for in the first pass; later passes find it in L2
-    }
-  }
-}
+// f32_tile for each row count of a decode_gemm_blocks pass.
+constexpr DecodeTile<float> kF32Tiles[] = {f32_tile<1>, f32_tile<2>, f32_tile<3>, f32_tile<4>, f32_tile<5>, f32_tile<6>};
 #endif
 
 bool f32_linear_supported() {
@@ -1590,7 +1592,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed) {
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   per_thread_blocks(blocks, [&](int64_t b0, int64_t b1, int64_t ahead_end) {
-    f32_linear_blocks(xp, wp, yp, m, k, n, b0, b1, ahead_end);
+    decode_gemm_blocks<16>(kF32Tiles, xp, wp, yp, m, k, n, b0, b1, ahead_end);
   });
   return y;
 #else
@@ -1674,23 +1676,10 @@ inline void bf16_tile(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloa
 #undef CHATSVC_BF16_STORE
 }
 
-// Column blocks [b0, b1) of y [m, n] = x [m, k] W^T; the weights of blocks up to ahead_end may be asked for.
-void bf16_linear_blocks(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t m, int64_t k,
-                        int64_t n, int64_t b0, int64_t b1, int64_t ahead_end) {
-  using Tile = void (*)(const c10::BFloat16*, const c10::BFloat16*, c10::BFloat16*, int64_t, int64_t, const char*);
-  static constexpr Tile tiles[] = {bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>,  bf16_tile<5>,  bf16_tile<6>,
-                                   bf16_tile<7>, bf16_tile<8>, bf16_tile<9>, bf16_tile<10>, bf16_tile<11>, bf16_tile<12>};
-  for (int64_t b = b0; b < b1; ++b) {
-    const c10::BFloat16* wb = w + b * k * 32;
-    const char* ahead = b + 1 < ahead_end ? reinterpret_cast<const char*>(wb + k * 32) : nullptr;
-    for (int64_t r = 0; r < m;) {
-      const int64_t rows = std::min<int64_t>(m - r, 12);
-      tiles[rows - 1](x + r * k, wb, y + r * n + b * 32, k, n, ahead);
-      r += rows;
-      ahead = nullptr;  // asked for in the first pass; later passes find it in L2
-    }
-  }
-}
+// bf16_tile for each row count of a decode_gemm_blocks pass.
+constexpr DecodeTile<c10::BFloat16> kBf16Tiles[] = {bf16_tile<1>, bf16_tile<2>, bf16_tile<3>,  bf16_tile<4>,
+                                                    bf16_tile<5>, bf16_tile<6>, bf16_tile<7>,  bf16_tile<8>,
+                                                    bf16_tile<9>, bf16_tile<10>, bf16_tile<11>, bf16_tile<12>};
 #endif
 
 bool bf16_linear_supported() {
@@ -1716,7 +1705,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   per_thread_blocks(blocks, [&](int64_t b0, int64_t b1, int64_t ahead_end) {
-    bf16_linear_blocks(xp, wp, yp, m, k, n, b0, b1, ahead_end);
+    decode_gemm_blocks<32>(kBf16Tiles, xp, wp, yp, m, k, n, b0, b1, ahead_end);
   });
   return y;
 #else
