@@ -22,6 +22,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -463,15 +464,6 @@ struct Attention {
   // Prefill tiles score and accumulate on AMX (bf16 pair products, float32 sums in the tile unit), where the
   // CPU has it; their queries come kAmxQueryTile at a time.
   bool amx_tiles;
-
-  bool amx_possible() const {
-#if defined(__AVX512BF16__)
-    return kPairDot && std::is_same_v<T, c10::BFloat16> && head_dim % 32 == 0 && head_dim <= 2 * kMaxPairs &&
-           amx_wanted.load(std::memory_order_relaxed) && amx_supported();
-#else
-    return false;
-#endif
-  }
 
   // Position in the context of the sequence's query token i.
   int64_t pos(int64_t seq, int64_t i) const {
@@ -1199,44 +1191,109 @@ struct Attention {
   }
 };
 
-template <typename T>
-void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& lens, double scale,
-                      at::Tensor& out) {
-  const int64_t num_seqs = lens.size(0), num_kv_heads = k_cache.size(2);
-  Attention<T> a{};
-  a.q = query.data_ptr<T>();
-  a.k = k_cache.data_ptr<T>();
-  a.v = v_cache.data_ptr<T>();
-  a.out = out.data_ptr<T>();
-  a.tables = tables.data_ptr<int32_t>();
-  a.starts = starts.data_ptr<int32_t>();
-  a.lens = lens.data_ptr<int32_t>();
-  a.q_s0 = query.stride(0), a.q_s1 = query.stride(1), a.o_s0 = out.stride(0), a.o_s1 = out.stride(1);
-  a.kb = k_cache.stride(0), a.kt = k_cache.stride(1), a.kh = k_cache.stride(2);
-  a.vb = v_cache.stride(0), a.vt = v_cache.stride(1), a.vh = v_cache.stride(2);
-  a.max_blocks = tables.size(1), a.block_size = k_cache.size(1);
-  a.group = query.size(1) / num_kv_heads, a.head_dim = query.size(2);
-  a.scale = static_cast<float>(scale);
-  a.amx_tiles = a.amx_possible();
-  const int64_t q_tile = a.amx_tiles ? kAmxQueryTile : kQueryTile;
+// One layer's K and V caches, each [num_blocks, block_size, Hkv, D], as base pointers and element strides: a
+// step's layers reach their caches by arithmetic on the pool, not by a tensor select per layer.
+struct KvLayer {
+  void *k, *v;
+  int64_t kb, kt, kh, vb, vt, vh;
+};
+
+KvLayer kv_layer(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return {k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+          v_cache.stride(0),  v_cache.stride(1),  v_cache.stride(2)};
+}
+
+// Layer `layer` of a pool [layers, 2, num_blocks, block_size, Hkv, D].
+KvLayer kv_layer(const at::Tensor& kv_cache, int64_t layer) {
+  char* base = static_cast<char*>(kv_cache.data_ptr()) + layer * kv_cache.stride(0) * kv_cache.element_size();
+  char* v = base + kv_cache.stride(1) * kv_cache.element_size();
+  return {base, v, kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+          kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)};
+}
+
+bool amx_tiles_possible(at::ScalarType dtype, int64_t head_dim) {
+#if defined(__AVX512BF16__)
+  return kPairDot && dtype == at::kBFloat16 && head_dim % 32 == 0 && head_dim <= 2 * kMaxPairs &&
+         amx_wanted.load(std::memory_order_relaxed) && amx_supported();
+#else
+  (void)dtype, (void)head_dim;
+  return false;
+#endif
+}
+
+// A step's attention work: its batch checked and its work items laid out. Every layer of a step attends from
+// the same positions over the same block tables, only through its own cache, so DecoderStack::forward plans
+// once per step and runs the plan once per layer.
+struct AttentionPlan {
+  at::Tensor starts, tables, lens;  // int32, contiguous, checked against the cache shape
+  std::vector<Item> items;          // largest first, as the threads take them
+  std::vector<Merge> merges;        // split items, combined after the parallel region
+  int64_t partial_rows = 0, q_tile = 0, per_grab = 1, group = 0, head_dim = 0, num_kv_heads = 0;
+  int64_t num_blocks = 0, block_size = 0;
+  bool amx_tiles = false;
+};
+
+// Checks what the kernel trusts (here, not inside the parallel region) for queries of `query_sizes` [T, Hq, D]
+// and `dtype` over caches of `cache_sizes` [num_blocks, block_size, Hkv, D], and lays out the work items.
+AttentionPlan plan_attention(at::IntArrayRef query_sizes, at::ScalarType dtype, at::IntArrayRef cache_sizes,
+                             const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
+                             const at::Tensor& context_lens) {
+  const char* what = "paged_attention (cpu)";
+  TORCH_CHECK(query_sizes[1] % cache_sizes[2] == 0, what, ": Hq must be a multiple of Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              what, ": block_tables and context_lens must be int32");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              what, ": one block table per sequence");
+  AttentionPlan plan;
+  if (query_start_loc.has_value()) {
+    plan.starts = query_start_loc->to(at::kInt).contiguous();
+    TORCH_CHECK(plan.starts.dim() == 1 && plan.starts.size(0) == num_seqs + 1,
+                what, ": query_start_loc must be [B + 1]");
+  } else {  // decode: one query token per sequence
+    TORCH_CHECK(query_sizes[0] == num_seqs, what, ": one query per sequence");
+    plan.starts = at::arange(num_seqs + 1, context_lens.options());
+  }
+  plan.tables = block_tables.contiguous();
+  plan.lens = context_lens.contiguous();
+  const int32_t* st = plan.starts.data_ptr<int32_t>();
+  const int32_t* ln = plan.lens.data_ptr<int32_t>();
+  const int32_t* tb = plan.tables.data_ptr<int32_t>();
+  const int64_t num_blocks = cache_sizes[0], block_size = cache_sizes[1], max_blocks = plan.tables.size(1);
+  TORCH_CHECK(st[0] == 0 && st[num_seqs] == query_sizes[0], what, ": query_start_loc must run from 0 to T");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t n_q = st[s + 1] - st[s], ctx = ln[s];
+    TORCH_CHECK(n_q >= 0 && n_q <= ctx, what, ": sequence ", s, " has ", n_q, " queries but a context of ", ctx);
+    TORCH_CHECK(ctx <= max_blocks * block_size, what, ": context of sequence ", s, " (", ctx,
+                " tokens) is longer than its block table");
+    for (int64_t i = 0, used = (ctx + block_size - 1) / block_size; i < used; ++i) {
+      const int32_t b = tb[s * max_blocks + i];
+      TORCH_CHECK(b >= 0 && b < num_blocks, what, ": block id ", b, " of sequence ", s,
+                  " is outside the cache (", num_blocks, " blocks)");
+    }
+  }
+  plan.num_kv_heads = cache_sizes[2];
+  plan.group = query_sizes[1] / plan.num_kv_heads;
+  plan.head_dim = query_sizes[2];
+  plan.num_blocks = num_blocks;
+  plan.block_size = block_size;
+  plan.amx_tiles = amx_tiles_possible(dtype, plan.head_dim);
+  plan.q_tile = plan.amx_tiles ? kAmxQueryTile : kQueryTile;
 
   // Tiles, then (if threads would idle) KV parts.
-  std::vector<Item> items;
+  std::vector<Item>& items = plan.items;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n_q = a.starts[s + 1] - a.starts[s];
-    for (int64_t q0 = 0; q0 < n_q; q0 += q_tile) {
-      const int64_t q1 = std::min(n_q, q0 + q_tile);
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t kv_end = a.pos(s, q1 - 1) + 1;
+    const int64_t n_q = st[s + 1] - st[s];
+    for (int64_t q0 = 0; q0 < n_q; q0 += plan.q_tile) {
+      const int64_t q1 = std::min(n_q, q0 + plan.q_tile);
+      for (int64_t h = 0; h < plan.num_kv_heads; ++h) {
+        const int64_t kv_end = ln[s] - n_q + q1;  // the tile's last query's position + 1
         items.push_back({int32_t(s), int32_t(h), int32_t(q0), int32_t(q1), 0, int32_t(kv_end), -1,
                          (q1 - q0) * kv_end});
       }
     }
   }
   const int64_t threads = at::get_num_threads();
-  std::vector<Merge> merges;
-  int64_t partial_rows = 0;
   if (!items.empty() && static_cast<int64_t>(items.size()) < threads) {
     int64_t longest = 0;
     for (const Item& it : items) longest = std::max<int64_t>(longest, it.kv_end);
@@ -1250,20 +1307,17 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
         parts.push_back(it);
         continue;
       }
-      const int64_t rows = (it.q_end - it.q_begin) * a.group;
-      merges.push_back({it.seq, it.kv_head, it.q_begin, it.q_end, int32_t(n_parts), partial_rows});
+      const int64_t rows = (it.q_end - it.q_begin) * plan.group;
+      plan.merges.push_back({it.seq, it.kv_head, it.q_begin, it.q_end, int32_t(n_parts), plan.partial_rows});
       for (int64_t p = 0; p < n_parts; ++p) {
         const int64_t b = p * split, e = std::min<int64_t>(it.kv_end, b + split);
-        parts.push_back({it.seq, it.kv_head, it.q_begin, it.q_end, int32_t(b), int32_t(e), partial_rows,
+        parts.push_back({it.seq, it.kv_head, it.q_begin, it.q_end, int32_t(b), int32_t(e), plan.partial_rows,
                          (it.q_end - it.q_begin) * (e - b)});
-        partial_rows += rows;
+        plan.partial_rows += rows;
       }
     }
     items.swap(parts);
   }
-  std::vector<float> p_acc(partial_rows * a.head_dim), p_m(partial_rows), p_l(partial_rows);
-  a.p_acc = p_acc.data(), a.p_m = p_m.data(), a.p_l = p_l.data();
-
   // Largest first: tiles of a long prefill cost far more than decodes. Items of equal cost are ordered by
   // sequence, tile and KV range, then KV head, so the KV heads of one sequence's tile sit next to each other.
   std::sort(items.begin(), items.end(), [](const Item& x, const Item& y) {
@@ -1281,9 +1335,37 @@ void attention_kernel(const at::Tensor& query, const at::Tensor& k_cache, const 
   // thread busy (a single decode's three heads would otherwise all go to one thread).
   const int64_t n_items = items.size();
   // AMX tiles are few and large, and balance better one at a time.
-  const bool amx_items = a.amx_tiles && n_items > 0 && (items[0].q_end - items[0].q_begin) * a.group >= kTiledRows;
-  const int64_t per_grab =
-      merges.empty() && !amx_items && n_items >= 8 * threads * num_kv_heads ? num_kv_heads : 1;
+  const bool amx_items =
+      plan.amx_tiles && n_items > 0 && (items[0].q_end - items[0].q_begin) * plan.group >= kTiledRows;
+  plan.per_grab =
+      plan.merges.empty() && !amx_items && n_items >= 8 * threads * plan.num_kv_heads ? plan.num_kv_heads : 1;
+  return plan;
+}
+
+// Runs `plan` for queries [T, Hq, D] (checked against the plan by the caller) over one layer's caches.
+template <typename T>
+void attention_kernel(const AttentionPlan& plan, const at::Tensor& query, const KvLayer& kv, double scale,
+                      at::Tensor& out) {
+  Attention<T> a{};
+  a.q = query.data_ptr<T>();
+  a.k = static_cast<const T*>(kv.k);
+  a.v = static_cast<const T*>(kv.v);
+  a.out = out.data_ptr<T>();
+  a.tables = plan.tables.data_ptr<int32_t>();
+  a.starts = plan.starts.data_ptr<int32_t>();
+  a.lens = plan.lens.data_ptr<int32_t>();
+  a.q_s0 = query.stride(0), a.q_s1 = query.stride(1), a.o_s0 = out.stride(0), a.o_s1 = out.stride(1);
+  a.kb = kv.kb, a.kt = kv.kt, a.kh = kv.kh, a.vb = kv.vb, a.vt = kv.vt, a.vh = kv.vh;
+  a.max_blocks = plan.tables.size(1), a.block_size = plan.block_size;
+  a.group = plan.group, a.head_dim = plan.head_dim;
+  a.scale = static_cast<float>(scale);
+  a.amx_tiles = plan.amx_tiles;
+  const int64_t q_tile = plan.q_tile, partial_rows = plan.partial_rows, per_grab = plan.per_grab;
+  const std::vector<Item>& items = plan.items;
+  const std::vector<Merge>& merges = plan.merges;
+  const int64_t threads = at::get_num_threads(), n_items = items.size();
+  std::vector<float> p_acc(partial_rows * a.head_dim), p_m(partial_rows), p_l(partial_rows);
+  a.p_acc = p_acc.data(), a.p_m = p_m.data(), a.p_l = p_l.data();
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
     // Per OpenMP thread, kept between calls: a step calls this once per layer, and fresh buffers would be
@@ -1733,9 +1815,8 @@ bool amx_in_use() {
 #endif
 }
 
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
-                           const at::Tensor& context_lens, double scale) {
+// The checks of a query [T, Hq, D] against caches [num_blocks, block_size, Hkv, D] that every call makes.
+void check_attention_shapes(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   const char* what = "paged_attention (cpu)";
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               what, ": tensors must be on the CPU");
@@ -1747,83 +1828,57 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, c
   TORCH_CHECK(query.size(2) == k_cache.size(3), what, ": query and caches must share the head size");
   TORCH_CHECK(query.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               what, ": the head dimension must be contiguous");
-  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, what, ": Hq must be a multiple of Hkv");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              what, ": block_tables and context_lens must be int32");
-  const int64_t num_seqs = context_lens.size(0);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-              what, ": one block table per sequence");
-  at::Tensor starts;
-  if (query_start_loc.has_value()) {
-    starts = query_start_loc->to(at::kInt).contiguous();
-    TORCH_CHECK(starts.dim() == 1 && starts.size(0) == num_seqs + 1, what, ": query_start_loc must be [B + 1]");
-  } else {  // decode: one query token per sequence
-    TORCH_CHECK(query.size(0) == num_seqs, what, ": one query per sequence");
-    starts = at::arange(num_seqs + 1, context_lens.options());
-  }
-  auto tables = block_tables.contiguous();
-  auto lens = context_lens.contiguous();
+}
 
-  // Everything the kernel trusts, checked here (not inside the parallel region).
-  const int32_t* st = starts.data_ptr<int32_t>();
-  const int32_t* ln = lens.data_ptr<int32_t>();
-  const int32_t* tb = tables.data_ptr<int32_t>();
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), max_blocks = tables.size(1);
-  TORCH_CHECK(st[0] == 0 && st[num_seqs] == query.size(0), what, ": query_start_loc must run from 0 to T");
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t n_q = st[s + 1] - st[s], ctx = ln[s];
-    TORCH_CHECK(n_q >= 0 && n_q <= ctx, what, ": sequence ", s, " has ", n_q, " queries but a context of ", ctx);
-    TORCH_CHECK(ctx <= max_blocks * block_size, what, ": context of sequence ", s, " (", ctx,
-                " tokens) is longer than its block table");
-    for (int64_t i = 0, used = (ctx + block_size - 1) / block_size; i < used; ++i) {
-      const int32_t b = tb[s * max_blocks + i];
-      TORCH_CHECK(b >= 0 && b < num_blocks, what, ": block id ", b, " of sequence ", s,
-                  " is outside the cache (", num_blocks, " blocks)");
-    }
-  }
+at::Tensor run_attention(const AttentionPlan& plan, const at::Tensor& query, const KvLayer& kv, double scale) {
   auto out = at::empty(query.sizes(), query.options());
   switch (query.scalar_type()) {
-    case at::kFloat: attention_kernel<float>(query, k_cache, v_cache, tables, starts, lens, scale, out); break;
-    case at::kBFloat16:
-      attention_kernel<c10::BFloat16>(query, k_cache, v_cache, tables, starts, lens, scale, out);
-      break;
-    case at::kHalf: attention_kernel<c10::Half>(query, k_cache, v_cache, tables, starts, lens, scale, out); break;
-    default: TORCH_CHECK(false, what, ": dtype ", query.scalar_type(), " is not supported (float32, bfloat16, float16)");
+    case at::kFloat: attention_kernel<float>(plan, query, kv, scale, out); break;
+    case at::kBFloat16: attention_kernel<c10::BFloat16>(plan, query, kv, scale, out); break;
+    case at::kHalf: attention_kernel<c10::Half>(plan, query, kv, scale, out); break;
+    default:
+      TORCH_CHECK(false, "paged_attention (cpu): dtype ", query.scalar_type(),
+                  " is not supported (float32, bfloat16, float16)");
   }
   return out;
 }
 
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const c10::optional<at::Tensor>& query_start_loc,
+                           const at::Tensor& context_lens, double scale) {
+  check_attention_shapes(query, k_cache, v_cache);
+  const AttentionPlan plan =
+      plan_attention(query.sizes(), query.scalar_type(), k_cache.sizes(), block_tables, query_start_loc, context_lens);
+  return run_attention(plan, query, kv_layer(k_cache, v_cache), scale);
+}
+
 // ---- KV-cache write --------------------------------------------------------------------------------
 
-void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
-                    const at::Tensor& slot_mapping) {
+// slot_mapping [T] int64 checked against a cache of num_slots slots (-1: a padding token, not stored).
+at::Tensor checked_slots(const at::Tensor& slot_mapping, int64_t tokens, int64_t num_slots) {
   const char* what = "write_kv_cache (cpu)";
-  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              what, ": key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D]");
-  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
-              what, ": key/value must have their cache's dtype");
-  TORCH_CHECK(key.sizes() == value.sizes() && k_cache.sizes() == v_cache.sizes() &&
-                  key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
-              what, ": shapes do not match");
-  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              what, ": the head dimension must be contiguous");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
-                  slot_mapping.size(0) == key.size(0),
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
               what, ": slot_mapping must be int64 [T]");
   auto slots_t = slot_mapping.contiguous();
   const int64_t* slots = slots_t.data_ptr<int64_t>();
-  const int64_t tokens = key.size(0), heads = key.size(1), bytes = key.size(2) * key.element_size();
-  const int64_t block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, what, ": slot ", slots[t], " of token ", t,
                 " is outside the cache (", num_slots, " slots)");
   }
-  auto copy = [&](const at::Tensor& src, at::Tensor& cache) {
+  return slots_t;
+}
+
+// Each token's K and V rows [T, Hkv, D] (head dimension contiguous) to its slot of one layer's caches; the
+// slots already checked.
+void store_kv(const at::Tensor& key, const at::Tensor& value, const KvLayer& kv, int64_t block_size,
+              const int64_t* slots) {
+  const int64_t tokens = key.size(0), heads = key.size(1);
+  auto copy = [&](const at::Tensor& src, void* cache, int64_t cb_e, int64_t ct_e, int64_t ch_e) {
     const char* s = static_cast<const char*>(src.data_ptr());
-    char* c = static_cast<char*>(cache.data_ptr());
-    const int64_t es = src.element_size();
+    char* c = static_cast<char*>(cache);
+    const int64_t es = src.element_size(), bytes = src.size(2) * es;
     const int64_t s0 = src.stride(0) * es, s1 = src.stride(1) * es;
-    const int64_t cb = cache.stride(0) * es, ct = cache.stride(1) * es, ch = cache.stride(2) * es;
+    const int64_t cb = cb_e * es, ct = ct_e * es, ch = ch_e * es;
     // All heads of a token in one piece when both sides hold them back to back.
     const bool whole_row = s1 == bytes && ch == bytes;
     // A token is two row copies of a few hundred bytes: a decode step's tokens are copied inline (see
@@ -1841,8 +1896,25 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
       }
     });
   };
-  copy(key, k_cache);
-  copy(value, v_cache);
+  copy(key, kv.k, kv.kb, kv.kt, kv.kh);
+  copy(value, kv.v, kv.vb, kv.vt, kv.vh);
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping) {
+  const char* what = "write_kv_cache (cpu)";
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              what, ": key/value [T, Hkv, D], caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type(),
+              what, ": key/value must have their cache's dtype");
+  TORCH_CHECK(key.sizes() == value.sizes() && k_cache.sizes() == v_cache.sizes() &&
+                  key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3),
+              what, ": shapes do not match");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              what, ": the head dimension must be contiguous");
+  const int64_t block_size = k_cache.size(1);
+  const at::Tensor slots = checked_slots(slot_mapping, key.size(0), k_cache.size(0) * block_size);
+  store_kv(key, value, kv_layer(k_cache, v_cache), block_size, slots.data_ptr<int64_t>());
 }
 
 // ---- elementwise ops around attention ----------------------------------------------------------------
@@ -2123,11 +2195,23 @@ class DecoderStack {
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                      const c10::optional<at::Tensor>& query_start_loc, const at::Tensor& context_lens,
                      int64_t num_tokens) const {
-    TORCH_CHECK(h.dim() == 2 && kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()),
+    TORCH_CHECK(h.dim() == 2 && kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
+                    kv_cache.size(1) == 2,
                 "DecoderStack: h [T, hidden] and a kv_cache of one [2, ...] entry per layer");
     const int64_t t = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const bool padded = num_tokens < t;
     const int64_t hidden = h.size(1);
+    // Every layer attends from the same rows over the same tables and stores to the same slots: checked and
+    // planned once (every layer's cache has the same shape and strides).
+    TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.scalar_type() == h.scalar_type() &&
+                    kv_cache.size(4) == num_kv_heads_ && kv_cache.size(5) == head_dim_ && kv_cache.stride(5) == 1,
+                "DecoderStack: kv_cache [layers, 2, blocks, block_size, Hkv, D] in h's dtype, D contiguous");
+    const at::IntArrayRef cache_sizes = kv_cache.sizes().slice(2);  // one layer's K or V cache
+    const std::array<int64_t, 3> q_sizes{num_tokens, num_heads_, head_dim_};
+    const AttentionPlan plan =
+        plan_attention(q_sizes, h.scalar_type(), cache_sizes, block_tables, query_start_loc, context_lens);
+    const int64_t block_size = cache_sizes[1];
+    const at::Tensor slots = checked_slots(slot_mapping, num_tokens, cache_sizes[0] * block_size);
     at::Tensor residual;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const LayerWeights& w = layers_[i];
@@ -2142,14 +2226,14 @@ class DecoderStack {
       rotary_embedding(qk, cos, sin);
       at::Tensor q = qk.narrow(1, 0, num_heads_), k = qk.narrow(1, num_heads_, num_kv_heads_);
       at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads_, head_dim_});
-      at::Tensor k_cache = kv_cache[static_cast<int64_t>(i)][0], v_cache = kv_cache[static_cast<int64_t>(i)][1];
+      const KvLayer kv = kv_layer(kv_cache, static_cast<int64_t>(i));
       at::Tensor attn;
       if (padded) {
         attn = at::empty(q.sizes(), q.options());
         q = q.narrow(0, 0, num_tokens), k = k.narrow(0, 0, num_tokens), v = v.narrow(0, 0, num_tokens);
       }
-      write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
-      at::Tensor out = paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale_);
+      store_kv(k, v, kv, block_size, slots.data_ptr<int64_t>());
+      at::Tensor out = run_attention(plan, q, kv, scale_);
       if (padded) {
         attn.narrow(0, 0, num_tokens).copy_(out);
       } else {
