@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,34 @@ def test_the_cpp_layer_loop_gives_the_bits_of_the_modules(tiny_dirs: dict[str, P
             real = len(ids) - pad
             assert torch.equal(out["stack"][:real], out["modules"][:real])
             assert torch.equal(caches["stack"], caches["modules"])
+
+
+def test_the_cpp_layer_loop_refuses_a_bad_batch_before_any_layer_stores(tiny_dirs: dict[str, Path]) -> None:
+    """The batch is checked once, before the first layer: a block id or slot outside the pool, more real rows
+    than the step has, or a cache of another dtype is refused with nothing written to any layer's cache."""
+    lm = load_model(str(tiny_dirs["llama"]))
+    assert lm.model.stack is not None
+    ids, pos, meta = three_steps(lm, 0)[0]
+    kv = empty_cache(lm)
+    bad_table = meta.block_tables.clone()
+    bad_table[1, 0] = kv.shape[2]  # one past the last block
+    bad_slots = meta.slot_mapping.clone()
+    bad_slots[-1] = kv.shape[2] * BLOCK
+    cases = [
+        (dataclasses.replace(meta, block_tables=bad_table), kv, "outside the cache"),
+        (dataclasses.replace(meta, slot_mapping=bad_slots), kv, "outside the cache"),
+        (dataclasses.replace(meta, num_tokens=len(ids) + 1), kv, "num_tokens"),
+        (meta, empty_cache(lm, dtype=torch.bfloat16), "kv_cache"),
+    ]
+    with torch.inference_mode():
+        for bad, cache, message in cases:
+            before = cache.clone()
+            with pytest.raises(RuntimeError, match=message):
+                lm.model(torch.tensor(ids), pos, cache, bad)
+            assert torch.equal(cache, before), f"{message}: a layer stored K/V before the batch was refused"
+        before = kv.clone()
+        lm.model(torch.tensor(ids), pos, kv, meta)  # the same step, unbroken, runs and stores
+        assert not torch.equal(kv, before)
 
 
 def test_the_layers_stay_modules_where_a_piece_has_no_cpp_form(tiny_dirs: dict[str, Path]) -> None:

@@ -1228,8 +1228,7 @@ struct AttentionPlan {
   at::Tensor starts, tables, lens;  // int32, contiguous, checked against the cache shape
   std::vector<Item> items;          // largest first, as the threads take them
   std::vector<Merge> merges;        // split items, combined after the parallel region
-  int64_t partial_rows = 0, q_tile = 0, per_grab = 1, group = 0, head_dim = 0, num_kv_heads = 0;
-  int64_t num_blocks = 0, block_size = 0;
+  int64_t partial_rows = 0, q_tile = 0, per_grab = 1, group = 0, head_dim = 0, num_kv_heads = 0, block_size = 0;
   bool amx_tiles = false;
 };
 
@@ -1275,7 +1274,6 @@ AttentionPlan plan_attention(at::IntArrayRef query_sizes, at::ScalarType dtype, 
   plan.num_kv_heads = cache_sizes[2];
   plan.group = query_sizes[1] / plan.num_kv_heads;
   plan.head_dim = query_sizes[2];
-  plan.num_blocks = num_blocks;
   plan.block_size = block_size;
   plan.amx_tiles = amx_tiles_possible(dtype, plan.head_dim);
   plan.q_tile = plan.amx_tiles ? kAmxQueryTile : kQueryTile;
@@ -2199,6 +2197,8 @@ class DecoderStack {
                     kv_cache.size(1) == 2,
                 "DecoderStack: h [T, hidden] and a kv_cache of one [2, ...] entry per layer");
     const int64_t t = h.size(0), q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    // The plan and the slots are checked for num_tokens rows; the layers read and store that many of h's.
+    TORCH_CHECK(num_tokens >= 0 && num_tokens <= t, "DecoderStack: num_tokens ", num_tokens, " of ", t, " rows");
     const bool padded = num_tokens < t;
     const int64_t hidden = h.size(1);
     // Every layer attends from the same rows over the same tables and stores to the same slots: checked and
