@@ -1457,25 +1457,34 @@ void per_thread_blocks(int64_t blocks, const Run& run) {
   });
 }
 
-// A register tile of f32_linear or bf16_linear: rows of x times one block of the packed weight (w), into y, the
-// next block's weights (ahead, or nullptr) asked for on the way.
+// A register tile of f32_linear or bf16_linear: rows of x times one block of the packed weight (w), into y. On the
+// way it asks for lines of another block (ahead, or nullptr): a step's lines (one per input; a step is one input or
+// a pair) at every ahead_every-th step, from ahead on, so the lines of 1 / ahead_every of that block.
 template <typename T>
-using DecodeTile = void (*)(const T* x, const T* w, T* y, int64_t k, int64_t n, const char* ahead);
+using DecodeTile = void (*)(const T* x, const T* w, T* y, int64_t k, int64_t n, const char* ahead,
+                            int64_t ahead_every);
 
 // Column blocks [b0, b1) of y [m, n] = x [m, k] W^T, blocks of Cols columns stored one after another (k * Cols
-// values each), in passes of up to MaxRows rows (tiles[rows - 1]); the weights of blocks up to ahead_end may be
-// asked for, during a block's first pass (later passes find them in L2).
-template <int64_t Cols, typename T, size_t MaxRows>
+// values, one 64-byte line per input), in passes of up to MaxRows rows (tiles[rows - 1]) whose steps take Step
+// inputs each; the weights of blocks up to ahead_end may be asked for. The next block's lines are asked for over
+// all the passes of this one, a share in each and spread over its steps. Asked for in the first pass alone, they
+// were in flight at a rate that held that pass up (they wait on the fill buffers its loads need too), and a
+// projection whose weights came from memory ran well below its rate on weights already in cache.
+template <int64_t Cols, int64_t Step, typename T, size_t MaxRows>
 void decode_gemm_blocks(const DecodeTile<T> (&tiles)[MaxRows], const T* x, const T* w, T* y, int64_t m, int64_t k,
                         int64_t n, int64_t b0, int64_t b1, int64_t ahead_end) {
+  static_assert(Cols * sizeof(T) == 64, "one 64-byte line of the packed weight per input");
+  const int64_t passes = (m + static_cast<int64_t>(MaxRows) - 1) / static_cast<int64_t>(MaxRows);
+  // Inputs whose lines one pass asks for: every passes-th step of its tile, so whole steps.
+  const int64_t share = (k / Step + passes - 1) / passes * Step;
   for (int64_t b = b0; b < b1; ++b) {
     const T* wb = w + b * k * Cols;
-    const char* ahead = b + 1 < ahead_end ? reinterpret_cast<const char*>(wb + k * Cols) : nullptr;
-    for (int64_t r = 0; r < m;) {
+    const char* next = b + 1 < ahead_end ? reinterpret_cast<const char*>(wb + k * Cols) : nullptr;
+    for (int64_t r = 0, pass = 0; r < m; ++pass) {
       const int64_t rows = std::min<int64_t>(m - r, MaxRows);
-      tiles[rows - 1](x + r * k, wb, y + r * n + b * Cols, k, n, ahead);
+      const char* ahead = next != nullptr ? next + pass * share * 64 : nullptr;
+      tiles[rows - 1](x + r * k, wb, y + r * n + b * Cols, k, n, ahead, passes);
       r += rows;
-      ahead = nullptr;
     }
   }
 }
@@ -1589,7 +1598,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed) {
 // rows leave its weight stream idle between blocks. Here each thread walks its share of the weight's columns
 // 16 at a time; a column block (16 columns x K inputs, in memory order) stays in L2 while every row of x
 // passes over it in register tiles of up to 6 rows x 16 columns (12 accumulators, two weight vectors and one
-// broadcast: 15 of the 16 ymm registers), and the first pass asks for the next block, one line per input,
+// broadcast: 15 of the 16 ymm registers), and the passes ask for the next block, one line per input,
 // so the block after arrives while this one is multiplied. benchmarks/step_ab.py measures the step.
 // The weight is packed once (f32_pack_weight) as [N / 16][K][16] float32.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -1609,14 +1618,19 @@ at::Tensor f32_pack_weight(const at::Tensor& weight) {
 
 #if defined(CHATSVC_F32_LINEAR)
 // Rows [0, R) of y's 16 columns at y (row stride n) from rows [0, R) of x (row stride k) and the column block
-// w [k][16]; ahead: the next block, asked for one line per input (nullptr: nothing to ask for). The
-// accumulators are named rather than an array, which GCC keeps on the stack.
+// w [k][16]; ahead, ahead_every: as DecodeTile says, a step being one input. The accumulators are named rather
+// than an array, which GCC keeps on the stack.
 template <int R>
-inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_t n, const char* ahead) {
+inline void f32_tile(const float* x, const float* w, float* y, int64_t k, int64_t n, const char* ahead,
+                     int64_t ahead_every) {
+  int64_t countdown = 1;  // steps to the next line asked for
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   for (int64_t i = 0; i < k; ++i) {
-    if (ahead != nullptr) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
+    if (ahead != nullptr && --countdown == 0) {
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      ahead += 64, countdown = ahead_every;
+    }
     const __m256 b0 = _mm256_loadu_ps(w + i * 16), b1 = _mm256_loadu_ps(w + i * 16 + 8);
 #define CHATSVC_F32_ROW(r)                                   \
   if constexpr (R > r) {                                     \
@@ -1672,7 +1686,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed) {
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   per_thread_blocks(blocks, [&](int64_t b0, int64_t b1, int64_t ahead_end) {
-    decode_gemm_blocks<16>(kF32Tiles, xp, wp, yp, m, k, n, b0, b1, ahead_end);
+    decode_gemm_blocks<16, 1>(kF32Tiles, xp, wp, yp, m, k, n, b0, b1, ahead_end);
   });
   return y;
 #else
@@ -1685,7 +1699,7 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& packed) {
 // f32_linear's scheme for bf16 with vdpbf16ps, in the AVX512-BF16 build where AMX tiles are absent or capped
 // off: a column block is 32 columns x K inputs, as [K / 2][32][2] so one input pair of 16 columns is one
 // 64-byte line and one dpbf16 operand; up to 12 rows of x pass over it in register tiles (24 accumulators,
-// two weight vectors and one broadcast input pair), and the first pass asks for the next block. Products
+// two weight vectors and one broadcast input pair), and the passes ask for the next block. Products
 // of bf16 are exact in float32 and sums run in float32, as in oneDNN's bf16 GEMM; results round to bf16.
 // The weight is packed once (bf16_pack_weight) as [N / 32][K / 2][32][2] bf16.
 constexpr int64_t kBf16LinearRows = 128;
@@ -1700,19 +1714,21 @@ at::Tensor bf16_pack_weight(const at::Tensor& weight) {
 
 #if defined(__AVX512BF16__)
 // Rows [0, R) of y's 32 columns at y (row stride n) from rows [0, R) of x (row stride k) and the column block
-// w [k / 2][32][2]; ahead: the next block, asked for two lines per input pair (nullptr: nothing to ask for).
+// w [k / 2][32][2]; ahead, ahead_every: as DecodeTile says, a step being an input pair.
 template <int R>
 inline void bf16_tile(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t k, int64_t n,
-                      const char* ahead) {
+                      const char* ahead, int64_t ahead_every) {
+  int64_t countdown = 1;  // steps to the next pair of lines asked for
   __m512 c0a = _mm512_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a, c3a = c0a, c3b = c0a,
          c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a, c6a = c0a, c6b = c0a, c7a = c0a, c7b = c0a, c8a = c0a,
          c8b = c0a, c9a = c0a, c9b = c0a, c10a = c0a, c10b = c0a, c11a = c0a, c11b = c0a;
   const int64_t pairs = k / 2;
   const int32_t* xi = reinterpret_cast<const int32_t*>(x);  // input pair j of row r: xi[r * pairs + j]
   for (int64_t j = 0; j < pairs; ++j) {
-    if (ahead != nullptr) {
-      _mm_prefetch(ahead + j * 128, _MM_HINT_T1);
-      _mm_prefetch(ahead + j * 128 + 64, _MM_HINT_T1);
+    if (ahead != nullptr && --countdown == 0) {
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      _mm_prefetch(ahead + 64, _MM_HINT_T1);
+      ahead += 128, countdown = ahead_every;
     }
     const __m512bh b0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * 64));
     const __m512bh b1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * 64 + 32));
@@ -1785,7 +1801,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
   const auto* wp = packed.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
   per_thread_blocks(blocks, [&](int64_t b0, int64_t b1, int64_t ahead_end) {
-    decode_gemm_blocks<32>(kBf16Tiles, xp, wp, yp, m, k, n, b0, b1, ahead_end);
+    decode_gemm_blocks<32, 2>(kBf16Tiles, xp, wp, yp, m, k, n, b0, b1, ahead_end);
   });
   return y;
 #else
