@@ -23,6 +23,9 @@ context instead (``share_default_ssl_context``); a client given its own ``verify
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import importlib
 import os
 import ssl
@@ -49,6 +52,19 @@ def _torch_threads_as_found() -> Iterator[None]:
     yield
     if before is not None and (torch := sys.modules.get("torch")) is not None:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freed_memory_returned() -> Iterator[None]:
+    """A module's freed engines go back to the OS when it ends. Every CPU engine sets glibc to keep freed
+    memory (``engine.runner.keep_freed_memory``), so without this a worker stays at the peak of every module
+    it ran, and three workers of float32 engines (an AVX2-only CPU's dtype) outgrow a 24 GiB machine."""
+    yield
+    if not sys.platform.startswith("linux"):
+        return
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _xdist_workers() -> int:
